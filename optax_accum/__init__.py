@@ -1,0 +1,11 @@
+"""optax_accum: exact gradient accumulation for JAX and optax."""
+
+from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+
+__all__ = [
+  "AccumulateState",
+  "accumulate",
+  "has_updated",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,248 @@
+"""The accumulation core shared by `accumulate` and `microbatch`.
+
+Everything that decides *what* the accumulated result is lives here, once:
+
+* `zeros` — an accumulator for a pytree, in the accumulator dtype;
+* `all_finite` — whether a micro-batch counts (NaN/Inf anywhere drops it);
+* `add` — ``sums + w * x`` and ``total + w`` for one micro-batch, the drop applied;
+* `reduce` — the cross-device sum over an axis name, run once per update;
+* `normalise` — ``sums / total`` (guarded) or ``sums``, cast back to the input dtypes.
+
+The two front ends only decide *when* these run (a `lax.cond` on the k-th step, or a
+`lax.scan` over the micro-batches).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Reduction = Literal["mean", "sum"]
+REDUCTIONS = ("mean", "sum")
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def accum_dtype_for(x, accum_dtype) -> Any:
+  """The dtype in which leaf `x` is accumulated.
+
+  Floating leaves use `accum_dtype` (their own dtype when it is None). Integer and bool leaves
+  (counts, e.g. "number of correct predictions") are summed exactly in their own dtype
+  widened to int32.
+  """
+  dtype = jnp.result_type(x)
+  if jnp.issubdtype(dtype, jnp.inexact):
+    return dtype if accum_dtype is None else jnp.dtype(accum_dtype)
+  return jnp.promote_types(dtype, jnp.int32)
+
+
+def zeros(tree: Any, accum_dtype) -> Any:
+  """A zero accumulator with `tree`'s structure and shapes, in the accumulator dtype.
+
+  `tree` may hold arrays or `jax.ShapeDtypeStruct`s; `None` leaves and empty subtrees stay
+  as they are (they carry no gradient).
+  """
+  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(x, accum_dtype)), tree)
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """A boolean scalar: True iff every floating leaf of `tree` is free of NaN and Inf."""
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
+  if not leaves:
+    return jnp.asarray(True)
+  return jnp.stack(leaves).all()
+
+
+def add(
+  sums: Any,
+  total: jax.Array,
+  tree: Any,
+  weight: jax.Array | None,
+  *,
+  skip_nonfinite: bool,
+) -> tuple[Any, jax.Array, jax.Array]:
+  """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
+
+  Args:
+    sums: the accumulator (from `zeros`); its dtypes are kept.
+    total: the accumulated weight, a float32 scalar.
+    tree: the micro-batch's values (a gradient, or a function's outputs), same structure.
+    weight: this micro-batch's non-negative scalar weight; None means 1.
+    skip_nonfinite: when True a micro-batch with any NaN/Inf in `tree` adds nothing, neither
+      to `sums` nor to `total` (selected away, never multiplied by 0: ``0 * nan`` is nan).
+
+  Returns:
+    ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
+    dropped.
+  """
+  w = jnp.ones((), total.dtype) if weight is None else jnp.asarray(weight, total.dtype)
+  if skip_nonfinite:
+    keep = all_finite(tree)
+    w = jnp.where(keep, w, jnp.zeros_like(w))
+  else:
+    keep = jnp.asarray(True)
+
+  def add_leaf(s, x):
+    x = x.astype(s.dtype)
+    if weight is not None:
+      x = x * w.astype(s.dtype)
+    if skip_nonfinite:
+      x = jnp.where(keep, x, jnp.zeros_like(x))
+    return s + x
+
+  sums = jax.tree.map(add_leaf, sums, tree)
+  return sums, total + w, jnp.logical_not(keep)
+
+
+def normalise(sums: Any, total: jax.Array, like: Any, reduction: Reduction) -> Any:
+  """``sums / total`` ("mean", zero where `total` is 0) or ``sums`` ("sum"), cast like `like`.
+
+  The division happens once, in the accumulator dtype, then the result is cast to the dtypes of
+  `like` (the micro-batch values), so callers never see the accumulator dtype.
+  """
+  if reduction == "mean":
+    safe = jnp.where(total > 0, total, jnp.ones_like(total))
+
+    def div(s):
+      if jnp.issubdtype(s.dtype, jnp.inexact):
+        return s / safe.astype(s.dtype)
+      return s / safe  # integer counts: a float mean
+
+    sums = jax.tree.map(div, sums)
+  return jax.tree.map(lambda s, x: s.astype(jnp.result_type(x)), sums, like)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cross-device reduction.
+
+AXIS_NOT_BOUND = (
+  "axis_name={axis!r} is not bound here. `axis_name` names a mapped axis of an enclosing "
+  "`jax.shard_map` (its mesh axis) or `jax.pmap` (its `axis_name=`); call this inside the "
+  "mapped function, e.g.\n\n"
+  "    @jax.shard_map(mesh=mesh, in_specs=..., out_specs=...)\n"
+  "    def train_step(params, opt_state, batch): ...  # tx.update(...) in here\n\n"
+  "Under plain `jax.jit` with sharded arrays (no mapped axis) pass axis_name=None: XLA inserts "
+  "the reduction itself."
+)
+
+ALREADY_REDUCED = (
+  "axis_name={axis!r}: these gradients are already reduced over {axis!r} (their type carries "
+  "no varying axis), so autodiff ran an all-reduce on every micro-batch. That happens when "
+  "`jax.grad` differentiates with respect to a *replicated* parameter inside `shard_map`. "
+  "optax_accum will not reduce them again, and the result is still the large-batch one when "
+  "every device has the same weight, but the point of deferring the reduction is lost. To "
+  "keep gradients local until the update, differentiate with respect to device-varying "
+  "parameters:\n\n"
+  "    local = jax.lax.pcast(params, {axis!r}, to='varying')\n"
+  "    grads = jax.grad(loss)(local, batch)   # no collective here\n"
+  "    updates, state = tx.update(grads, state, params, weight=n_tokens)\n"
+)
+
+
+def check_axis(axis_name: str | tuple[str, ...] | None, where: str) -> None:
+  """Raises a clear NameError-like ValueError if `axis_name` is not bound here."""
+  if axis_name is None:
+    return
+  try:
+    lax.axis_index(axis_name)
+  except NameError as e:
+    raise ValueError(f"{where}: " + AXIS_NOT_BOUND.format(axis=axis_name)) from e
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def tracks_varying(axis_name) -> bool:
+  """True when the enclosing map tracks device variance (shard_map with check_vma)."""
+  vma = getattr(jax.typeof(lax.axis_index(axis_name)), "vma", frozenset())
+  return all(a in vma for a in _axes(axis_name))
+
+
+def is_varying(x, axis_name) -> bool:
+  vma = getattr(jax.typeof(x), "vma", frozenset())
+  return all(a in vma for a in _axes(axis_name))
+
+
+def to_varying(tree: Any, axis_name) -> Any:
+  """Marks every leaf device-varying over `axis_name` (a no-op where variance isn't tracked)."""
+  if axis_name is None or not tracks_varying(axis_name):
+    return tree
+
+  def cast(x):
+    missing = tuple(a for a in _axes(axis_name) if a not in jax.typeof(x).vma)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+  return jax.tree.map(cast, tree)
+
+
+def reduce(tree: Any, axis_name) -> Any:
+  """Sums `tree` over `axis_name` (one fused all-reduce); identity when `axis_name` is None.
+
+  Leaves that are already the same on every device (not device-varying, in a `shard_map` that
+  tracks variance) are left alone: reducing them again would multiply them by the axis size.
+  """
+  if axis_name is None:
+    return tree
+  if not tracks_varying(axis_name):
+    return lax.psum(tree, axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  idx = [i for i, x in enumerate(leaves) if is_varying(x, axis_name)]
+  reduced = lax.psum([leaves[i] for i in idx], axis_name)
+  for i, r in zip(idx, reduced, strict=True):
+    leaves[i] = r
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def reduce_total(total: jax.Array, axis_name) -> jax.Array:
+  """The global weight: the sum of every device's accumulated weight."""
+  if axis_name is None:
+    return total
+  return lax.psum(to_varying(total, axis_name), axis_name)
+
+
+def warn_if_reduced(tree: Any, weight, axis_name, where: str) -> None:
+  """Warns (or raises, when it would be wrong) about gradients autodiff already all-reduced."""
+  if axis_name is None or not tracks_varying(axis_name):
+    return
+  leaves = [x for x in jax.tree.leaves(tree) if _is_float(x)]
+  if not leaves or all(is_varying(x, axis_name) for x in leaves):
+    return
+  if weight is not None and is_varying(jnp.asarray(weight), axis_name):
+    raise ValueError(
+      f"{where}: `weight` differs per device but the gradients were already all-reduced, so "
+      "the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=axis_name)
+    )
+  warnings.warn(f"{where}: " + ALREADY_REDUCED.format(axis=axis_name), stacklevel=4)
+
+
+def check_weight(weight: Any, where: str) -> jax.Array | None:
+  """Validates a micro-batch weight: a real, non-negative scalar (checked when concrete)."""
+  if weight is None:
+    return None
+  try:
+    w = jnp.asarray(weight)
+  except TypeError as e:
+    raise TypeError(f"{where}: weight must be a non-negative scalar, got {weight!r}.") from e
+  if w.ndim != 0:
+    raise ValueError(
+      f"{where}: weight must be a scalar (e.g. this micro-batch's number of real tokens), "
+      f"got an array of shape {w.shape}. Maybe you passed a per-example mask; pass its sum."
+    )
+  if not (jnp.issubdtype(w.dtype, jnp.number) or w.dtype == jnp.bool_) or jnp.issubdtype(
+    w.dtype, jnp.complexfloating
+  ):
+    raise TypeError(f"{where}: weight must be a real number, got dtype {w.dtype}.")
+  try:
+    value = float(w)
+  except jax.errors.ConcretizationTypeError:
+    return w  # traced: checked by the caller's program, not here
+  if not (0 <= value < float("inf")):  # also catches nan
+    raise ValueError(f"{where}: weight must be non-negative and finite, got {value}.")
+  return w
