@@ -48,14 +48,14 @@ def has_updated(state: AccumulateState) -> jax.Array:
   True
   """
   if not isinstance(state, AccumulateState):
-    found = optax.tree.get_all_with_path(
-      state, "updated", filtering=lambda _, s: isinstance(s, AccumulateState)
-    )
+    is_state = lambda x: isinstance(x, AccumulateState)
+    found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
     if len(found) != 1:
       raise ValueError(
-        f"has_updated: expected a state holding exactly one AccumulateState, found {len(found)}."
+        "has_updated: expected a state holding exactly one AccumulateState, "
+        f"found {len(found)} in a {type(state).__name__}."
       )
-    return found[0][1]
+    state = found[0]
   return state.updated
 
 
@@ -231,11 +231,12 @@ def accumulate(
       keep = _core.all_finite(grads) if skip_nonfinite else jnp.asarray(True)
       total = jnp.where(keep, w, jnp.zeros_like(w))
       dropped = jnp.logical_not(keep)
-      if reduction == "sum" and weight is not None:
+      if weight is not None and (reduction == "sum" or axis_name is not None):
         sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
       else:
         sums = grads
-      window_reduction = "sum"  # sums already hold the window's result
+      if axis_name is None:
+        window_reduction = "sum"  # sums already hold the window's result: no division
     else:
       sums, total, dropped = _core.add(
         local(state.acc_grads),

@@ -159,15 +159,22 @@ def _axes(axis_name) -> tuple[str, ...]:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
+def vma(x) -> frozenset:
+  """The mapped axes over which `x` is device-varying (empty outside shard_map or untracked)."""
+  t = jax.typeof(x)
+  v = getattr(t, "vma", None)  # the jax < 0.9 spelling
+  if v is None:
+    v = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+  return frozenset(v or ())
+
+
 def tracks_varying(axis_name) -> bool:
   """True when the enclosing map tracks device variance (shard_map with check_vma)."""
-  vma = getattr(jax.typeof(lax.axis_index(axis_name)), "vma", frozenset())
-  return all(a in vma for a in _axes(axis_name))
+  return all(a in vma(lax.axis_index(axis_name)) for a in _axes(axis_name))
 
 
 def is_varying(x, axis_name) -> bool:
-  vma = getattr(jax.typeof(x), "vma", frozenset())
-  return all(a in vma for a in _axes(axis_name))
+  return all(a in vma(x) for a in _axes(axis_name))
 
 
 def to_varying(tree: Any, axis_name) -> Any:
@@ -176,35 +183,59 @@ def to_varying(tree: Any, axis_name) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in _axes(axis_name) if a not in jax.typeof(x).vma)
+    missing = tuple(a for a in _axes(axis_name) if a not in vma(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
 
 
 def reduce(tree: Any, axis_name) -> Any:
-  """Sums `tree` over `axis_name` (one fused all-reduce); identity when `axis_name` is None.
+  """Sums every leaf of `tree` over `axis_name` (one fused all-reduce); identity for None.
 
-  Leaves that are already the same on every device (not device-varying, in a `shard_map` that
-  tracks variance) are left alone: reducing them again would multiply them by the axis size.
+  Prefer `reduce_window`: it reduces the weight in the same all-reduce and knows what to do
+  with values that autodiff already reduced.
   """
   if axis_name is None:
     return tree
-  if not tracks_varying(axis_name):
-    return lax.psum(tree, axis_name)
-  leaves, treedef = jax.tree.flatten(tree)
-  idx = [i for i, x in enumerate(leaves) if is_varying(x, axis_name)]
-  reduced = lax.psum([leaves[i] for i in idx], axis_name)
-  for i, r in zip(idx, reduced, strict=True):
-    leaves[i] = r
-  return jax.tree.unflatten(treedef, leaves)
+  return lax.psum(to_varying(tree, axis_name), axis_name)
 
 
 def reduce_total(total: jax.Array, axis_name) -> jax.Array:
   """The global weight: the sum of every device's accumulated weight."""
+  return reduce(total, axis_name)
+
+
+def reduce_window(
+  sums: Any, total: jax.Array, like: Any, axis_name, reduction: Reduction
+) -> tuple[Any, jax.Array]:
+  """The window's global ``(sums, total)``: ONE all-reduce over `axis_name` for both.
+
+  Call it once per update, right before `normalise`; identity when `axis_name` is None.
+
+  Leaves whose micro-batch values (`like`) are not device-varying, in a `shard_map` that tracks
+  variance, were already all-reduced by autodiff (see `ALREADY_REDUCED`): every device added
+  the same values with the same weights (`warn_if_reduced` rejects per-device weights), so the
+  global sums count them once per device, and so does the global weight. "mean" divides the
+  two and gets the window mean of those values back, as without `axis_name` (no double
+  reduction); "sum" divides them by the axis size. They still ride in the one all-reduce: the
+  sums are per-device (device-varying) state, and only a collective makes a device-varying
+  value invariant again.
+  """
   if axis_name is None:
-    return total
-  return lax.psum(to_varying(total, axis_name), axis_name)
+    return sums, total
+  sums, total = reduce((sums, total), axis_name)
+  if reduction == "sum" and tracks_varying(axis_name):
+    size = 1
+    for a in _axes(axis_name):
+      size *= lax.axis_size(a)
+
+    def undo(s, x):
+      if is_varying(x, axis_name):
+        return s
+      return s // size if jnp.issubdtype(s.dtype, jnp.integer) else s / size
+
+    sums = jax.tree.map(undo, sums, like)
+  return sums, total
 
 
 def warn_if_reduced(tree: Any, weight, axis_name, where: str) -> None:

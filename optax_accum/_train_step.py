@@ -1,0 +1,130 @@
+"""`TrainStep`: the fastest cross-step path — two compiled programs, chosen on the host.
+
+With a static `every_k` the host knows which micro-step closes a window, so there is no need
+for a device conditional (`lax.cond`), which on CPU makes the zero updates and their
+application real memory passes and on GPU makes the host wait for the predicate
+(openxla/xla `xla/backends/gpu/runtime/conditional_thunk.cc`). `TrainStep` compiles
+
+* the accumulating program: ``grad → acc += w·g``; its updates are constant zeros, so
+  ``params + 0`` folds away and the parameters and inner state pass through donated,
+  i.e. untouched in place;
+* the emitting program: ``grad → acc += w·g → inner update → apply``;
+
+and keeps the window position on the host, so dispatch never waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from optax_accum import _accumulate
+
+
+class TrainStep:
+  """A jitted micro-step ``grad → accumulate → (every k-th call) update → apply``.
+
+  Each call takes one micro-batch. The window position lives on the host, so the right one of
+  two compiled programs runs without a device conditional and without a host sync.
+
+  Args:
+    loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
+      the loss of one micro-batch.
+    inner: the optimizer applied once per window.
+    every_k: the window length, a positive int (the host must know it).
+    has_aux: whether `loss_fn` returns ``(loss, aux)``.
+    donate: donate the parameters and the optimizer state to each call (the default; the
+      arrays you pass in are invalid afterwards, as with any donating training step).
+    **accumulate_kwargs: `reduction`, `accum_dtype`, `skip_nonfinite` (see `accumulate`).
+
+  ``step(params, state, *args, weight=None, force_emit=False)`` returns
+  ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
+  is the `AccumulateState` that ``step.tx`` (an `accumulate` transformation) makes, so
+  checkpoints are interchangeable.
+
+  Raises:
+    TypeError, ValueError: for a bad `every_k` (which must be a static int here) or
+      `accumulate_kwargs`.
+
+  >>> import jax, jax.numpy as jnp, optax, optax_accum
+  >>> loss = lambda p, x: jnp.mean((x * p) ** 2)
+  >>> step = optax_accum.TrainStep(loss, optax.sgd(0.1), every_k=2)
+  >>> params = jnp.ones(3)
+  >>> state = step.init(params)
+  >>> for i in range(4):
+  ...   params, state, l = step(params, state, jnp.full(3, i + 1.0))
+  >>> int(state.gradient_step)
+  2
+  """
+
+  def __init__(
+    self,
+    loss_fn: Callable[..., Any],
+    inner: optax.GradientTransformation,
+    every_k: int,
+    *,
+    has_aux: bool = False,
+    donate: bool = True,
+    **accumulate_kwargs: Any,
+  ):
+    if callable(every_k) or isinstance(every_k, bool) or not isinstance(every_k, int):
+      raise TypeError(
+        "TrainStep: every_k must be a positive int known on the host, got "
+        f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
+      )
+    if "axis_name" in accumulate_kwargs:
+      raise TypeError(
+        "TrainStep: axis_name is not supported; inside shard_map use `accumulate(...)` with "
+        "`tx.update(..., emit=...)` in your own mapped step."
+      )
+    self.tx = _accumulate.accumulate(inner, every_k, **accumulate_kwargs)
+    self.every_k = every_k
+    self._has_aux = has_aux
+    self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    donate_argnums = (0, 1) if donate else ()
+    self._programs = {
+      emit: jax.jit(self._step, static_argnames="emit", donate_argnums=donate_argnums)
+      for emit in (False, True)
+    }
+    self._position: int | None = None  # micro-steps taken in the open window
+    self._last_state: Any = None
+
+  def init(self, params: Any) -> _accumulate.AccumulateState:
+    """The initial `AccumulateState` for `params`."""
+    self._position, self._last_state = 0, None
+    return self.tx.init(params)
+
+  def _step(self, params, state, args, weight, *, emit):
+    value, grads = self._grad(params, *args)
+    updates, state = self.tx.update(grads, state, params, weight=weight, emit=emit)
+    if emit:
+      params = optax.apply_updates(params, updates)
+    return params, state, value
+
+  def __call__(
+    self,
+    params: Any,
+    state: _accumulate.AccumulateState,
+    *args: Any,
+    weight: Any = None,
+    force_emit: bool = False,
+  ):
+    """One micro-step; `force_emit=True` (a Python bool) closes a short last window."""
+    if not isinstance(force_emit, bool):
+      raise TypeError(f"TrainStep: force_emit must be a Python bool, got {force_emit!r}.")
+    if self._position is None or state is not self._last_state:
+      # A state we did not produce (restored, or from `init` of another object): read its
+      # window position once. Every other call is dispatched without waiting for the device.
+      self._position = int(jax.device_get(state.mini_step))
+    emit = force_emit or self._position + 1 >= self.every_k
+    params, state, value = self._programs[emit](params, state, args, weight, emit=emit)
+    self._position = 0 if emit else self._position + 1
+    self._last_state = state
+    return params, state, value
+
+  def lower(self, params, state, *args, weight=None, emit: bool = False):
+    """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
+    return self._programs[emit].lower(params, state, args, weight, emit=emit)
