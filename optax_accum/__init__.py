@@ -1,13 +1,21 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+from optax_accum._microbatch import microbatch
+from optax_accum._plan import MicrobatchPlan, plan_microbatches
+from optax_accum._sharding import count_collectives, state_partition_specs
 from optax_accum._train_step import TrainStep
 
 __all__ = [
   "AccumulateState",
+  "MicrobatchPlan",
   "TrainStep",
   "accumulate",
+  "count_collectives",
   "has_updated",
+  "microbatch",
+  "plan_microbatches",
+  "state_partition_specs",
 ]
 
 __version__ = "0.1.0"

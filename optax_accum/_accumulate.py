@@ -20,8 +20,10 @@ class AccumulateState(NamedTuple):
 
   mini_step: jax.Array  # shape=(), dtype=jnp.int32: micro-steps taken in the open window
   gradient_step: jax.Array  # shape=(), dtype=jnp.int32: inner updates applied so far
-  acc_grads: Any  # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1
-  acc_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ of the open window
+  # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale (the closed
+  # window's sums, ignored and overwritten by the next micro-step) when mini_step == 0.
+  acc_grads: Any
+  acc_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ of the open window (same rule)
   num_skipped: jax.Array  # shape=(), dtype=jnp.int32: non-finite micro-batches dropped so far
   inner_state: Any  # the inner optimizer's state, untouched between updates
   updated: jax.Array  # shape=(), dtype=jnp.bool_: the call that made this state updated
@@ -231,19 +233,28 @@ def accumulate(
       keep = _core.all_finite(grads) if skip_nonfinite else jnp.asarray(True)
       total = jnp.where(keep, w, jnp.zeros_like(w))
       dropped = jnp.logical_not(keep)
-      if weight is not None and (reduction == "sum" or axis_name is not None):
-        sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
-      else:
-        sums = grads
       if axis_name is None:
-        window_reduction = "sum"  # sums already hold the window's result: no division
+        # sums already hold the window's result: no division, no accumulator.
+        window_reduction = "sum"
+        sums = grads
+        if weight is not None and reduction == "sum":
+          sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
+      else:
+        # Other devices will see this gradient through the psum: mask it like any window.
+        zero = jnp.zeros((), jnp.float32)
+        sums, total, dropped = _core.add(
+          _core.zeros(grads, accum_dtype), zero, grads, weight, skip_nonfinite=skip_nonfinite
+        )
     else:
+      # The accumulator is reset lazily: a window's first micro-step ignores what the state
+      # holds (the sums of the window closed last), so the emitting step never rewrites it.
       sums, total, dropped = _core.add(
         local(state.acc_grads),
         local(state.acc_weight),
         grads,
         weight,
         skip_nonfinite=skip_nonfinite,
+        restart=state.mini_step == 0,
       )
     num_skipped = local(state.num_skipped) + dropped.astype(jnp.int32)
 
@@ -253,7 +264,7 @@ def accumulate(
     )
 
     def apply(sums, total, inner_state, params, extra_args):
-      g = _core.normalise(_core.reduce(sums, axis_name), total, grads, window_reduction)
+      g = _core.normalise(sums, total, grads, window_reduction)
       new_updates, new_inner = inner.update(g, inner_state, params, **extra_args)
       return new_updates, new_inner
 
@@ -264,7 +275,7 @@ def accumulate(
 
     def close(sums, total, inner_state, params, extra_args):
       """The emitting step: reduce across devices, then apply unless the window is empty."""
-      total = _core.reduce_total(total, axis_name)
+      sums, total = _core.reduce_window(sums, total, grads, axis_name, window_reduction)
       ok = total > 0
       new_updates, new_inner = lax.cond(
         ok, apply, skip, sums, total, inner_state, params, extra_args
@@ -287,9 +298,6 @@ def accumulate(
       emitting = jnp.logical_or(state.mini_step + 1 >= k, jnp.asarray(force_emit, jnp.bool_))
       new_updates, new_inner, applied = lax.cond(emitting, close, keep, *operands)
 
-    if not single:
-      sums = jax.tree.map(lambda s: jnp.where(emitting, jnp.zeros_like(s), s), sums)
-      total = jnp.where(emitting, jnp.zeros_like(total), total)
     new_state = AccumulateState(
       mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
       gradient_step=jnp.where(

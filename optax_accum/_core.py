@@ -66,6 +66,7 @@ def add(
   weight: jax.Array | None,
   *,
   skip_nonfinite: bool,
+  restart: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -76,6 +77,10 @@ def add(
     weight: this micro-batch's non-negative scalar weight; None means 1.
     skip_nonfinite: when True a micro-batch with any NaN/Inf in `tree` adds nothing, neither
       to `sums` nor to `total` (selected away, never multiplied by 0: ``0 * nan`` is nan).
+    restart: an optional boolean scalar; where True, `sums` and `total` are treated as zero
+      (a new window starts). Resetting lazily here, inside the same elementwise pass, is what
+      lets the emitting step leave the donated accumulator alone instead of copying it out
+      and writing zeros over it.
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
@@ -88,7 +93,12 @@ def add(
   else:
     keep = jnp.asarray(True)
 
+  if restart is not None:
+    total = jnp.where(restart, jnp.zeros_like(total), total)
+
   def add_leaf(s, x):
+    if restart is not None:
+      s = jnp.where(restart, jnp.zeros_like(s), s)
     x = x.astype(s.dtype)
     if weight is not None:
       x = x * w.astype(s.dtype)
@@ -135,10 +145,12 @@ ALREADY_REDUCED = (
   "axis_name={axis!r}: these gradients are already reduced over {axis!r} (their type carries "
   "no varying axis), so autodiff ran an all-reduce on every micro-batch. That happens when "
   "`jax.grad` differentiates with respect to a *replicated* parameter inside `shard_map`. "
-  "optax_accum will not reduce them again, and the result is still the large-batch one when "
-  "every device has the same weight, but the point of deferring the reduction is lost. To "
-  "keep gradients local until the update, differentiate with respect to device-varying "
-  "parameters:\n\n"
+  "optax_accum will not reduce them again: the update uses the window's weighted mean of these "
+  "gradients as autodiff returned them (the same on every device), so it is the large-batch "
+  "one only if your loss is the global one (e.g. `jax.lax.pmean` of the device losses; the "
+  "gradient of a device-local mean loss is the SUM over devices of the local gradients), and "
+  "the point of deferring the reduction is lost. To keep gradients local until the update, "
+  "differentiate the device-local loss with respect to device-varying parameters:\n\n"
   "    local = jax.lax.pcast(params, {axis!r}, to='varying')\n"
   "    grads = jax.grad(loss)(local, batch)   # no collective here\n"
   "    updates, state = tx.update(grads, state, params, weight=n_tokens)\n"

@@ -1,0 +1,175 @@
+"""`plan_microbatches`: the fewest micro-batches whose compiled program fits in memory.
+
+No trial runs: each candidate ``k`` is lowered and compiled (never executed), and XLA's own
+memory analysis of the compiled program says how much device memory it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from optax_accum import _microbatch
+
+NO_LIMIT = (
+  "plan_microbatches: memory_limit=None asks the device for its memory limit, but {device} "
+  "reports none (CPU devices never do). Pass the budget in bytes, e.g. "
+  "memory_limit=8 * 2**30 for 8 GiB."
+)
+
+
+class MicrobatchPlan(NamedTuple):
+  """The choice of `plan_microbatches` and the compiled peak of every candidate it tried."""
+
+  num_microbatches: int  # the smallest k whose compiled peak fits in memory_limit
+  peak_bytes: dict[int, int]  # k -> compiled peak (argument + output + temp - alias), bytes
+  memory_limit: int  # the budget, bytes
+
+  def __str__(self) -> str:
+    mib = 2.0**20
+    rows = [
+      f"  k={k:<6d} peak {p / mib:10.1f} MiB  {'fits' if p <= self.memory_limit else 'too big'}"
+      for k, p in sorted(self.peak_bytes.items())
+    ]
+    return (
+      f"MicrobatchPlan: num_microbatches={self.num_microbatches} "
+      f"(limit {self.memory_limit / mib:.1f} MiB)\n" + "\n".join(rows)
+    )
+
+
+def compiled_peak_bytes(compiled: Any) -> int:
+  """The device memory a compiled program needs: ``argument + output + temp - alias`` bytes.
+
+  Arguments and outputs are live for the whole call; temporaries are XLA's scratch buffers;
+  output buffers that alias (donated) arguments are counted once, hence ``- alias``.
+  """
+  m = compiled.memory_analysis()
+  if m is None:
+    raise RuntimeError(
+      "plan_microbatches: this backend's compiled programs report no memory analysis."
+    )
+  return int(
+    m.argument_size_in_bytes
+    + m.output_size_in_bytes
+    + m.temp_size_in_bytes
+    - m.alias_size_in_bytes
+  )
+
+
+def _device_limit() -> int:
+  device = jax.local_devices()[0]
+  try:
+    stats = device.memory_stats()
+  except Exception:  # some backends raise instead of returning None
+    stats = None
+  if not stats or "bytes_limit" not in stats:
+    raise ValueError(NO_LIMIT.format(device=f"{device.platform} device {device}"))
+  return int(stats["bytes_limit"])
+
+
+def _check_limit(memory_limit: Any) -> int:
+  if memory_limit is None:
+    return _device_limit()
+  if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float | np.number):
+    raise TypeError(
+      f"plan_microbatches: memory_limit must be a number of bytes or None, got {memory_limit!r}."
+    )
+  if not 0 < memory_limit < float("inf"):
+    raise ValueError(f"plan_microbatches: memory_limit must be positive bytes, got {memory_limit}.")
+  return int(memory_limit)
+
+
+def _divisors(n: int) -> list[int]:
+  small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+  return sorted(set(small + [n // d for d in small]))
+
+
+def plan_microbatches(
+  fun: Callable[..., Any],
+  *args: Any,
+  memory_limit: int | None = None,
+  **microbatch_kwargs: Any,
+) -> MicrobatchPlan:
+  """Picks the smallest `num_microbatches` whose compiled `microbatch(fun, k)` fits in memory.
+
+  The candidates are the divisors of the batch size ``B``. Each candidate is compiled with
+  ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args).compile()`` — never run —
+  and its peak is ``argument + output + temp - alias`` bytes from the compiled program's
+  ``memory_analysis()`` (see `compiled_peak_bytes`). The search gallops up the divisors (1st,
+  2nd, 4th, 8th, … smallest) until one fits, then bisects between the last that did not fit
+  and the first that did, so it compiles ``O(log #divisors)`` programs, and usually one or two.
+  It assumes, as XLA's estimates show in practice, that more micro-batches never need more
+  memory; the returned ``k`` fits and the next smaller divisor (when there is one) was compiled
+  and does not.
+
+  Args:
+    fun: the function to micro-batch, as for `microbatch`.
+    *args: its positional arguments: arrays, or `jax.ShapeDtypeStruct`s so the full batch
+      need never exist in memory.
+    memory_limit: the budget in bytes; None means the device's reported limit
+      (``jax.local_devices()[0].memory_stats()["bytes_limit"]``; GPUs and TPUs report one, CPUs
+      do not).
+    **microbatch_kwargs: passed to `microbatch` (`batch_argnums`, `reduction`, `weight_fn`, …).
+
+  Returns:
+    A `MicrobatchPlan(num_microbatches, peak_bytes, memory_limit)`; `peak_bytes` maps every
+    compiled candidate ``k`` to its peak. It prints as a small table.
+
+  Raises:
+    ValueError: when `memory_limit` is None and the device reports no limit, or when no
+      candidate fits (the message gives the smallest peak found); and `microbatch`'s errors.
+    TypeError: for a bad `memory_limit` or a `num_microbatches` keyword.
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> def loss(w, x):
+  ...   return jnp.mean(jnp.tanh(x @ w) ** 2)
+  >>> w = jax.ShapeDtypeStruct((64, 256), jnp.float32)
+  >>> x = jax.ShapeDtypeStruct((512, 64), jnp.float32)
+  >>> plan = optax_accum.plan_microbatches(jax.value_and_grad(loss), w, x, memory_limit=2**30)
+  >>> plan.num_microbatches  # 1 GiB is plenty for the whole batch
+  1
+  """
+  if "num_microbatches" in microbatch_kwargs:
+    raise TypeError(
+      "plan_microbatches: num_microbatches is what it chooses; do not pass it."
+    )
+  limit = _check_limit(memory_limit)
+  batch = _microbatch._check_argnums(
+    "batch_argnums", microbatch_kwargs.get("batch_argnums", 1)
+  )
+  batch = _microbatch._resolve("batch_argnums", batch, len(args))
+  size = _microbatch._batch_size(args, batch, 1)
+  candidates = _divisors(size)
+  peaks: dict[int, int] = {}
+
+  def fits(n: int) -> bool:
+    k = candidates[n]
+    if k not in peaks:
+      step = _microbatch.microbatch(fun, k, **microbatch_kwargs)
+      peaks[k] = compiled_peak_bytes(jax.jit(step).lower(*args).compile())
+    return peaks[k] <= limit
+
+  # Gallop: indices 0, 1, 3, 7, … (clipped to the last) until one fits.
+  below, n = -1, 0
+  while not fits(n):
+    if n == len(candidates) - 1:
+      k_min = min(peaks, key=peaks.get)
+      raise ValueError(
+        f"plan_microbatches: memory_limit={limit} bytes ({limit / 2**20:.1f} MiB) is too small "
+        f"for any num_microbatches dividing the batch size {size}: the smallest compiled peak "
+        f"was {peaks[k_min]} bytes ({peaks[k_min] / 2**20:.1f} MiB) at num_microbatches="
+        f"{k_min}. The arguments alone (e.g. the parameters) may not fit; tried "
+        f"{sorted(peaks)}."
+      )
+    below, n = n, min(2 * n + 1, len(candidates) - 1)
+  # Bisect (below: does not fit, n: fits) down to neighbours.
+  while n - below > 1:
+    mid = (below + n) // 2
+    if fits(mid):
+      n = mid
+    else:
+      below = mid
+  return MicrobatchPlan(candidates[n], dict(sorted(peaks.items())), limit)

@@ -1,0 +1,331 @@
+"""Sharding helpers: partition specs for optimizer states, collectives in compiled programs.
+
+With ``axis_name`` set, `accumulate` keeps per-device partial sums: inside the mapped function
+each device's ``acc_grads`` leaves, ``acc_weight`` and ``num_skipped`` carry a leading axis of
+length 1, so that outside the map they are stacked ``(num_devices, ...)`` arrays sharded over
+the axis. Everything else (step counters, the inner optimizer's state) is the same on every
+device. `state_partition_specs` writes this down for any optimizer state that holds an
+`AccumulateState` (an `optax.chain`, `optax.inject_hyperparams`, ...), so the state can be the
+output of one jitted `shard_map` and the input of the next.
+
+`count_collectives` reads a compiled program's HLO text, so tests and benchmarks can check that
+an update all-reduces once and never inside a loop body.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from optax_accum._accumulate import AccumulateState
+
+
+@jax.tree_util.register_pytree_node_class
+class _Params:
+  """Stands for the parameter tree while the optimizer's state structure is traced."""
+
+  def tree_flatten(self):
+    return (), None
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    del aux, children
+    return cls()
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, (PartitionSpec, NamedSharding))
+
+
+def _axes(axis_name) -> tuple[str, ...]:
+  if axis_name is None:
+    return ()
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+_NEEDS_AXIS = (
+  "state_partition_specs: the optimizer state holds per-device sums (accumulate was given an "
+  "axis_name), so axis_name must be given here too, got None."
+)
+
+
+def _structure(tx, axes: tuple[str, ...]):
+  """``tx.init`` on a placeholder for the parameters, with `axes` bound (vmap of size 1)."""
+
+  def init():
+    return tx.init(_Params())
+
+  for a in reversed(axes):
+    init = jax.vmap(init, axis_size=1, axis_name=a)
+  try:
+    return jax.eval_shape(init)
+  except (NameError, ValueError) as e:
+    if isinstance(e, NameError) or "is not bound here" in str(e):
+      if not axes:
+        raise ValueError(_NEEDS_AXIS) from e
+      raise ValueError(
+        f"state_partition_specs: the optimizer reduces over an axis_name that is not "
+        f"axis_name={axes[0] if len(axes) == 1 else axes!r}; pass the axis_name you gave "
+        "`accumulate`."
+      ) from e
+    raise
+
+
+def state_partition_specs(tx: Any, params_specs: Any, axis_name: str | tuple[str, ...] | None):
+  """Partition specs (or shardings) for every leaf of ``tx.init(params)``.
+
+  Use them as the ``out_specs`` of the `shard_map` that calls ``tx.init`` and as the
+  ``in_specs``/``out_specs`` of every train step, so that the state lives across separately
+  jitted calls; or, with `NamedSharding` leaves and ``axis_name=None``, as the
+  ``out_shardings`` of a jitted ``init`` under GSPMD.
+
+  * Tree-shaped like the parameters (the accumulator, the inner optimizer's moments): each leaf
+    gets its parameter's spec; the per-device accumulator sums get ``P(axis_name, *spec)``.
+  * The per-device ``acc_weight`` and ``num_skipped`` of an `accumulate` with an ``axis_name``:
+    ``P(axis_name)``.
+  * Everything else (step counters, hyperparameters): ``P()``, replicated.
+
+  Args:
+    tx: the optimizer whose state to describe: an optax transformation (or anything with
+      ``init``), possibly a chain holding an `accumulate`.
+    params_specs: a tree of `PartitionSpec` (use ``P()`` for replicated parameters) or of
+      `NamedSharding`, shaped like the parameters.
+    axis_name: the ``axis_name`` given to `accumulate` (the mapped data-parallel axis), or None
+      when the optimizer has none.
+
+  Returns:
+    A tree shaped like ``tx.init(params)`` with a `PartitionSpec` (or a `NamedSharding`, when
+    `params_specs` holds shardings) at every leaf.
+
+  Raises:
+    ValueError: if a parameter's spec already uses `axis_name` (the accumulator would need it
+      twice), if the state holds per-device fields but `axis_name` is None, or if the optimizer
+      reduces over another axis.
+
+  >>> import jax, optax, optax_accum
+  >>> from jax.sharding import PartitionSpec as P
+  >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, axis_name="data")
+  >>> specs = optax_accum.state_partition_specs(tx, {"w": P(None, "model")}, "data")
+  >>> specs.acc_grads, specs.acc_weight, specs.mini_step
+  ({'w': PartitionSpec('data', None, 'model')}, PartitionSpec('data',), PartitionSpec())
+  >>> specs.inner_state[0].mu
+  {'w': PartitionSpec(None, 'model')}
+  """
+  axes = _axes(axis_name)
+  lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  template = _structure(tx, axes)
+  params_specs = jax.tree.map(lambda s: s, params_specs, is_leaf=_is_spec)
+  for path, s in jax.tree.leaves_with_path(params_specs, is_leaf=_is_spec):
+    if not _is_spec(s):
+      raise TypeError(
+        "state_partition_specs: params_specs must hold a PartitionSpec or NamedSharding at "
+        f"every leaf, got {s!r} at {jax.tree_util.keystr(path)}."
+      )
+  leaves = jax.tree.leaves(params_specs, is_leaf=_is_spec)
+  mesh = next((s.mesh for s in leaves if isinstance(s, NamedSharding)), None)
+
+  def out(spec: PartitionSpec):
+    return spec if mesh is None else NamedSharding(mesh, spec)
+
+  def spec_of(s) -> PartitionSpec:
+    return s.spec if isinstance(s, NamedSharding) else s
+
+  def stacked(path, s):
+    spec = spec_of(s)
+    used = {a for part in spec for a in (part if isinstance(part, tuple) else (part,))}
+    if used & set(axes):
+      raise ValueError(
+        f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
+        f"axis_name={lead!r} (spec {spec}), so its per-device accumulator cannot be stacked "
+        "over that axis too. `accumulate(axis_name=...)` is for data-parallel axes over which "
+        "the parameters are replicated."
+      )
+    return out(PartitionSpec(lead, *spec))
+
+  def params_like(fn):
+    return jax.tree.map_with_path(fn, params_specs, is_leaf=_is_spec)
+
+  def node(x):
+    if isinstance(x, _Params):
+      return params_like(lambda _, s: out(spec_of(s)))
+    if isinstance(x, AccumulateState):
+      per_device = x.acc_weight.ndim > x.mini_step.ndim
+      if per_device and lead is None:
+        raise ValueError(_NEEDS_AXIS)
+      dev = out(PartitionSpec(lead)) if per_device else out(PartitionSpec())
+      rep = out(PartitionSpec())
+      if x.acc_grads is None:
+        acc = None
+      elif per_device:
+        acc = params_like(stacked)
+      else:
+        acc = params_like(lambda _, s: out(spec_of(s)))
+      return AccumulateState(
+        mini_step=rep,
+        gradient_step=rep,
+        acc_grads=acc,
+        acc_weight=dev,
+        num_skipped=dev,
+        inner_state=jax.tree.map(node, x.inner_state, is_leaf=_is_node),
+        updated=rep,
+      )
+    return out(PartitionSpec())
+
+  return jax.tree.map(node, template, is_leaf=_is_node)
+
+
+def _is_node(x) -> bool:
+  return isinstance(x, (_Params, AccumulateState))
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives in compiled programs.
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_CALL = re.compile(
+  r"\b(?:to_apply|body|condition|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALL_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_COLLECTIVES = (
+  "all-reduce",
+  "all-gather",
+  "reduce-scatter",
+  "all-to-all",
+  "collective-permute",
+)
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """The instruction lines of each computation in an HLO module's text, and the entry's name."""
+  comps: dict[str, list[str]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    stripped = line.strip()
+    if current is None:
+      m = _COMPUTATION.match(stripped)
+      if m and "=" not in stripped.split("(")[0]:
+        current = m.group(1)
+        comps[current] = []
+        if stripped.startswith("ENTRY"):
+          entry = current
+    elif stripped == "}":
+      current = None
+    else:
+      comps[current].append(stripped)
+  return comps, entry
+
+
+def _callees(line: str) -> list[str]:
+  names = _CALL.findall(line)
+  for group in _CALL_LIST.findall(line):
+    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+  return names
+
+
+def _opcode(line: str) -> str | None:
+  # "%name = <type> opcode(operands), attrs"; the type may be a tuple "(f32[2], s32[])".
+  m = re.match(r"^(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$", line)
+  if not m:
+    return None
+  rhs = m.group(1)
+  depth, i = 0, 0
+  while i < len(rhs):  # skip the (possibly nested) type
+    c = rhs[i]
+    depth += c in "([{"
+    depth -= c in ")]}"
+    if c == " " and depth == 0:
+      break
+    i += 1
+  op = re.match(r"\s*([\w\-]+)\(", rhs[i:])
+  return op.group(1) if op else None
+
+
+def count_collectives(
+  hlo_text: str, kind: str = "all-reduce", *, where: str = "all"
+) -> int:
+  """Counts the collective ops of one kind in a compiled program's HLO text.
+
+  Asynchronous pairs (``all-reduce-start``/``-done``) count once.
+
+  Args:
+    hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
+    kind: the HLO opcode, e.g. ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``.
+    where: ``"all"`` (every computation the entry computation reaches), ``"loop"`` (only those
+      inside a ``while`` body or condition, or what they call), or ``"entry"``.
+
+  Returns:
+    The number of such ops.
+
+  Raises:
+    ValueError: for an unknown `kind` or `where`.
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> text = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text()
+  >>> optax_accum.count_collectives(text)
+  0
+  """
+  if kind not in _COLLECTIVES:
+    raise ValueError(f"count_collectives: kind must be one of {_COLLECTIVES}, got {kind!r}.")
+  if where not in ("all", "loop", "entry"):
+    raise ValueError(f"count_collectives: where must be 'all', 'loop' or 'entry', got {where!r}.")
+  comps, entry = _computations(hlo_text)
+  counts = {
+    name: sum(_opcode(line) in (kind, kind + "-start") for line in lines)
+    for name, lines in comps.items()
+  }
+  if entry is None:
+    return sum(counts.values())
+  if where == "entry":
+    return counts[entry]
+  roots = [entry]
+  if where == "loop":
+    roots = [
+      c
+      for lines in comps.values()
+      for line in lines
+      if _opcode(line) == "while"
+      for c in _callees(line)
+    ]
+  return sum(counts.get(c, 0) for c in _reachable(comps, roots))
+
+
+def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:
+  seen: set[str] = set()
+  todo = collections.deque(roots)
+  while todo:
+    c = todo.popleft()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for line in comps[c]:
+      todo.extend(_callees(line))
+  return seen
+
+
+def conditional_branches(hlo_text: str, kind: str = "all-reduce") -> list[list[int]]:
+  """For each ``conditional`` op: the count of `kind` ops reachable from each of its branches.
+
+  Branches are in HLO order: for a boolean ``lax.cond(pred, true_fun, false_fun)`` JAX emits
+  ``branch_computations={false_fun, true_fun}``.
+  """
+  comps, _ = _computations(hlo_text)
+  out = []
+  for lines in comps.values():
+    for line in lines:
+      if _opcode(line) != "conditional":
+        continue
+      out.append(
+        [
+          sum(
+            _opcode(x) in (kind, kind + "-start")
+            for c in _reachable(comps, [b])
+            for x in comps[c]
+          )
+          for b in _callees(line)
+        ]
+      )
+  return out
