@@ -259,14 +259,24 @@ def accumulate(
     num_skipped = local(state.num_skipped) + dropped.astype(jnp.int32)
 
     # The zero updates of a non-emitting step: exactly the inner optimizer's output types.
-    out_types = jax.eval_shape(
-      lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, state.inner_state, params
-    )
+    try:
+      out_types = jax.eval_shape(
+        lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, state.inner_state, params
+      )
+    except TypeError:
+      if emit is not False:
+        raise
+      # emit=False never runs the inner optimizer, so a caller may leave out arguments only the
+      # emitting step needs (e.g. `value=` for reduce_on_plateau); updates then take the
+      # gradients' structure and dtypes.
+      out_types = jax.eval_shape(lambda g: g, grads)
 
     def apply(sums, total, inner_state, params, extra_args):
       g = _core.normalise(sums, total, grads, window_reduction)
       new_updates, new_inner = inner.update(g, inner_state, params, **extra_args)
-      return new_updates, new_inner
+      # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and
+      # f32 grads); the state's dtypes are fixed by init so that it stays a valid carry.
+      return new_updates, optax.tree.cast_like(new_inner, inner_state)
 
     def skip(sums, total, inner_state, params, extra_args):
       del sums, total, params, extra_args

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 Reduction = Literal["mean", "sum"]
@@ -282,6 +283,11 @@ def check_weight(weight: Any, where: str) -> jax.Array | None:
     w.dtype, jnp.complexfloating
   ):
     raise TypeError(f"{where}: weight must be a real number, got dtype {w.dtype}.")
+  if isinstance(weight, (int, float, np.number, np.ndarray)) and not isinstance(weight, bool):
+    value = float(np.asarray(weight))  # a host value: checkable even under jit
+    if not (0 <= value < float("inf")):
+      raise ValueError(f"{where}: weight must be non-negative and finite, got {value}.")
+    return w
   try:
     value = float(w)
   except jax.errors.ConcretizationTypeError:
