@@ -115,7 +115,8 @@ def normalise(sums: Any, total: jax.Array, like: Any, reduction: Reduction) -> A
   """``sums / total`` ("mean", zero where `total` is 0) or ``sums`` ("sum"), cast like `like`.
 
   The division happens once, in the accumulator dtype, then the result is cast to the dtypes of
-  `like` (the micro-batch values), so callers never see the accumulator dtype.
+  `like` (the micro-batch values), so callers never see the accumulator dtype. The mean of an
+  integer leaf stays a float (float32): truncating it back to an int would be silently wrong.
   """
   if reduction == "mean":
     safe = jnp.where(total > 0, total, jnp.ones_like(total))
@@ -126,7 +127,14 @@ def normalise(sums: Any, total: jax.Array, like: Any, reduction: Reduction) -> A
       return s / safe  # integer counts: a float mean
 
     sums = jax.tree.map(div, sums)
-  return jax.tree.map(lambda s, x: s.astype(jnp.result_type(x)), sums, like)
+
+  def cast(s, x):
+    dtype = jnp.result_type(x)
+    if reduction == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
+      return s  # the mean of integer counts is a float: casting back would truncate it
+    return s.astype(dtype)
+
+  return jax.tree.map(cast, sums, like)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,6 +272,19 @@ def warn_if_reduced(tree: Any, weight, axis_name, where: str) -> None:
       "the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=axis_name)
     )
   warnings.warn(f"{where}: " + ALREADY_REDUCED.format(axis=axis_name), stacklevel=4)
+
+
+def check_uniform(x: Any, name: str, axis_name, where: str) -> None:
+  """Raises if `x` is device-varying: every device must take the same branch (the collective)."""
+  if axis_name is None or isinstance(x, (bool, int)) or not tracks_varying(axis_name):
+    return
+  if is_varying(x, axis_name):
+    raise ValueError(
+      f"{where}: {name} differs per device (it is device-varying over {axis_name!r}), but every "
+      "device must close the window at the same step: the reduction is an all-reduce that all "
+      f"devices join. Compute {name} from replicated values, or agree on it first, e.g. "
+      f"`{name} = jax.lax.pmax(flag.astype(jnp.int32), {axis_name!r}) > 0`."
+    )
 
 
 def check_weight(weight: Any, where: str) -> jax.Array | None:

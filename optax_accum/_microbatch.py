@@ -1,8 +1,10 @@
 """`microbatch`: one training step's batch as k micro-batches under one `lax.scan`.
 
-Reads top-down: check the arguments → split the batch arguments into ``(k, b, ...)`` → one scan
-body that calls `fun` on micro-batch ``i`` and adds its outputs to sums in the carry (with the
-shared `_core`) → one `lax.scan(length=k)` → reduce across devices and normalise, once.
+Reads top-down: check the arguments → reshape the batch arguments (free, no copy) → trace `fun`
+once abstractly for its output types → one scan body that reads micro-batch ``i`` in place,
+calls `fun` on it and adds its outputs to sums kept in the carry (with the shared `_core`, so
+XLA updates them in place) → one `lax.scan(length=k)` → reduce across devices and normalise,
+once, after the loop.
 
 Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
 
@@ -58,8 +60,7 @@ STATE_OUT_MISSING = (
 def _check_k(k: Any) -> int:
   if isinstance(k, bool) or not isinstance(k, int | np.integer):
     raise TypeError(
-      f"microbatch: num_microbatches must be a positive int, got {k!r} of type "
-      f"{type(k).__name__}."
+      f"microbatch: num_microbatches must be a positive int, got {k!r} of type {type(k).__name__}."
     )
   if k < 1:
     raise ValueError(f"microbatch: num_microbatches must be a positive int, got {k}.")
@@ -91,7 +92,8 @@ def _check_reduction(reduction: Any) -> Any:
       lines.append(f"  reduction{jax.tree_util.keystr(p)} = {r!r}.{hint}")
     raise ValueError(
       f"microbatch: reduction must be one of {OUT_REDUCTIONS} or a pytree prefix of fun's "
-      f"output with those strings at its leaves, got {reduction!r}" + (":\n" if lines else ".")
+      f"output with those strings at its leaves, got {reduction!r}"
+      + (":\n" if lines else ".")
       + "\n".join(lines)
     )
   return reduction
@@ -256,7 +258,8 @@ def microbatch(
   * ``"sum"``: ``Σ fᵢ``, unweighted (for quantities already summed over examples: counts,
     summed losses);
   * ``"concat"``: the per-micro-batch values joined along their leading (example) axis, in the
-    original example order for both splits;
+    original example order for both splits (with "strided" that axis must have one row per
+    example of the micro-batch);
   * ``"last"``: micro-batch ``k-1``'s value.
 
   "mean" and "sum" are accumulated in `accum_dtype` and cast back to the output's dtype once,
@@ -282,6 +285,8 @@ def microbatch(
     rng_argnums: positional arguments that are PRNG keys (typed ``jax.random.key`` or raw
       ``jax.random.PRNGKey``), or pytrees of them. Micro-batch ``i`` gets
       ``jax.random.fold_in(key, i)``: a different key each, derived deterministically.
+      With `axis_name` the key is first folded with the device's `lax.axis_index`, so
+      devices never share masks either.
     state_argnums: positional arguments threaded through the micro-batches in order.
     state_out: ``output -> new state`` (one value when `state_argnums` is an int, a tuple when
       it is a sequence), with the structure and shapes of those arguments (dtypes are cast to
@@ -330,8 +335,10 @@ def microbatch(
   if state_argnums and state_out is None:
     raise ValueError(STATE_OUT_MISSING.format(argnums=state_argnums[0]))
   if state_out is not None and not state_argnums:
-    raise ValueError("microbatch: state_out is given but state_argnums is empty; name the "
-                     "state arguments with state_argnums.")
+    raise ValueError(
+      "microbatch: state_out is given but state_argnums is empty; name the "
+      "state arguments with state_argnums."
+    )
   if accum_dtype is not None:
     accum_dtype = jnp.dtype(accum_dtype)
 
@@ -367,9 +374,16 @@ def microbatch(
     a = list(args)
     for j, x in zip(batch, mb, strict=True):
       a[j] = x
-    if k > 1:
-      for j in rngs:
-        a[j] = jax.tree.map(lambda key: jax.random.fold_in(key, i), args[j])
+    for j in rngs:
+      keys = args[j]
+      if axis_name is not None:
+        # A replicated key would give every device the same masks on different examples.
+        keys = jax.tree.map(
+          functools.partial(jax.random.fold_in, data=lax.axis_index(axis_name)), keys
+        )
+      if k > 1:
+        keys = jax.tree.map(lambda key: jax.random.fold_in(key, i), keys)
+      a[j] = keys
     for j, s in zip(states, state, strict=True):
       a[j] = s
     out = fun(*a, **kwargs)
@@ -414,21 +428,19 @@ def microbatch(
     # threaded state (they come out as the final state, not reduced).
     state_leaf = {}  # output leaf index -> (state position, leaf index in that state)
 
-    def probe(mb, state):
-      out, w, new_state = _call(args, kwargs, batch, rngs, states, 0, mb, state)
+    def probe(parts, state):
+      out, w, new_state = _call(args, kwargs, batch, rngs, states, 0, micro(parts, 0), state)
       if states:
         _check_state(new_state, state, states)
         ids = {
-          id(x): (p, q)
-          for p, s in enumerate(new_state)
-          for q, x in enumerate(jax.tree.leaves(s))
+          id(x): (p, q) for p, s in enumerate(new_state) for q, x in enumerate(jax.tree.leaves(s))
         }
         for n, x in enumerate(jax.tree.leaves(out)):
           if id(x) in ids:
             state_leaf[n] = ids[id(x)]
       return out, w, new_state
 
-    out_t, w_t, state_t = jax.eval_shape(probe, micro(parts, 0), state0)
+    out_t, w_t, state_t = jax.eval_shape(probe, parts, state0)
     out_leaves, out_tree = jax.tree.flatten(out_t)
     kinds = _leaf_reductions(reduction, out_t)
     kinds = ["state" if n in state_leaf else r for n, r in enumerate(kinds)]
@@ -439,11 +451,15 @@ def microbatch(
       if not out_leaves[n].shape or (split == "strided" and out_leaves[n].shape[0] != b)
     ]
     if bad:
-      need = f"a leading axis of size {b} (one row per example)" if split == "strided" else (
-        "a leading axis to concatenate along")
+      need = (
+        f"a leading axis of size {b} (one row per example)"
+        if split == "strided"
+        else ("a leading axis to concatenate along")
+      )
       raise ValueError(
         f"microbatch: reduction 'concat' needs {need}; with {k} micro-batches of {b} examples "
-        "these outputs have none:\n" + "\n".join(bad)
+        "these outputs have none:\n"
+        + "\n".join(bad)
         + "\nUse 'mean'/'sum'/'last' for them, or (for outputs with several rows per example) "
         "split='contiguous'."
       )
@@ -459,7 +475,8 @@ def microbatch(
       total_t = jax.eval_shape(lambda w: jnp.zeros((), jnp.float32) + w.astype(jnp.float32), w_t)
     means_t, sums_t, last_t = (pick(out_leaves, r) for r in ("mean", "sum", "last"))
     carry0 = (
-      _like(_core.zeros(means_t, accum_dtype), means_t),
+      # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
+      _like(_like(_core.zeros(means_t, accum_dtype), means_t), [total_t] * len(means_t)),
       _like(_core.zeros(sums_t, accum_dtype), sums_t),
       _like(jnp.zeros((), jnp.float32), total_t),
       _like([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
@@ -471,6 +488,7 @@ def microbatch(
       out, w, new_state = _call(args, kwargs, batch, rngs, states, i, micro(parts, i), state)
       leaves = out_tree.flatten_up_to(out)
       means, total, _ = _core.add(means, total, pick(leaves, "mean"), w, skip_nonfinite=False)
+      # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
       sums, _, _ = _core.add(sums, total, pick(leaves, "sum"), None, skip_nonfinite=False)
       last = pick(leaves, "last")
       new_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new_state, state)
@@ -486,8 +504,7 @@ def microbatch(
       (carry, _), ys = lax.scan(body, (carry0, parts), steps)
     means, sums, total, last, state = carry
 
-    means = _core.reduce(means, axis_name)
-    sums = _core.reduce(sums, axis_name)
+    means, sums = _core.reduce((means, sums), axis_name)  # one fused all-reduce
     total = _core.reduce_total(total, axis_name)
     results = [None] * len(out_leaves)
     for r, values in (

@@ -52,10 +52,7 @@ def compiled_peak_bytes(compiled: Any) -> int:
       "plan_microbatches: this backend's compiled programs report no memory analysis."
     )
   return int(
-    m.argument_size_in_bytes
-    + m.output_size_in_bytes
-    + m.temp_size_in_bytes
-    - m.alias_size_in_bytes
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   )
 
 
@@ -133,13 +130,9 @@ def plan_microbatches(
   1
   """
   if "num_microbatches" in microbatch_kwargs:
-    raise TypeError(
-      "plan_microbatches: num_microbatches is what it chooses; do not pass it."
-    )
+    raise TypeError("plan_microbatches: num_microbatches is what it chooses; do not pass it.")
   limit = _check_limit(memory_limit)
-  batch = _microbatch._check_argnums(
-    "batch_argnums", microbatch_kwargs.get("batch_argnums", 1)
-  )
+  batch = _microbatch._check_argnums("batch_argnums", microbatch_kwargs.get("batch_argnums", 1))
   batch = _microbatch._resolve("batch_argnums", batch, len(args))
   size = _microbatch._batch_size(args, batch, 1)
   candidates = _divisors(size)

@@ -1,0 +1,127 @@
+"""Tests for `plan_microbatches`: its choice is checked against independently compiled peaks."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from optax_accum import microbatch, plan_microbatches
+from optax_accum._plan import compiled_peak_bytes
+
+
+def _loss(w, x):
+  h = x
+  for _ in range(6):
+    h = jnp.tanh(h @ w)
+  return jnp.mean(h**2)
+
+
+_VG = jax.value_and_grad(_loss)
+# Activation-dominated: 2048 examples × 6 layers of width 128 against one 128×128 weight. Shapes
+# only: nothing is allocated or run.
+W = jax.ShapeDtypeStruct((128, 128), jnp.float32)
+X = jax.ShapeDtypeStruct((2048, 128), jnp.float32)
+
+
+def _peak(k, *args, **kwargs):
+  compiled = jax.jit(microbatch(_VG, k, **kwargs)).lower(*(args or (W, X))).compile()
+  return compiled_peak_bytes(compiled)
+
+
+def test_plan_picks_smallest_k_that_fits():
+  p2, p4 = _peak(2), _peak(4)
+  assert p4 < p2
+  limit = (p2 + p4) // 2
+  plan = plan_microbatches(_VG, W, X, memory_limit=limit)
+  assert plan.num_microbatches == 4
+  assert plan.memory_limit == limit
+  assert plan.peak_bytes[4] == p4 <= limit  # it fits ...
+  assert plan.peak_bytes[2] == p2 > limit  # ... and the next smaller divisor does not
+  assert len(plan.peak_bytes) < 6  # 12 divisors of 2048: it did not compile them all
+
+
+def test_plan_peak_is_arguments_outputs_and_temporaries():
+  compiled = jax.jit(microbatch(_VG, 8)).lower(W, X).compile()
+  m = compiled.memory_analysis()
+  want = (
+    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  )
+  assert compiled_peak_bytes(compiled) == want
+  assert want >= X.size * 4 + W.size * 4  # at least the arguments
+
+
+def test_plan_large_budget_compiles_only_k1_and_prints():
+  plan = plan_microbatches(_VG, W, X, memory_limit=2**40)
+  assert plan.num_microbatches == 1 and list(plan.peak_bytes) == [1]
+  text = str(plan)
+  assert "num_microbatches=1" in text and "k=1" in text and "fits" in text
+  assert "MicrobatchPlan(num_microbatches=1" in repr(plan)
+
+
+def test_plan_budget_too_small_raises_with_smallest_peak():
+  x = jax.ShapeDtypeStruct((16, 128), jnp.float32)
+  with pytest.raises(ValueError, match="too small for any num_microbatches") as info:
+    plan_microbatches(_VG, W, x, memory_limit=1000)
+  found = re.search(
+    r"smallest compiled peak was (\d+) bytes .* at num_microbatches=(\d+)", str(info.value)
+  )
+  assert found, str(info.value)
+  peak, k = int(found.group(1)), int(found.group(2))
+  assert peak == _peak(k, W, x) > 1000
+
+
+def test_plan_passes_microbatch_options_and_accepts_arrays():
+  rng = np.random.default_rng(0)
+  w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
+  x = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
+  mask = jnp.ones(64)
+
+  def loss(w, x, mask):
+    return jnp.sum(jnp.tanh(x @ w).sum(-1) * mask) / jnp.sum(mask)
+
+  plan = plan_microbatches(
+    jax.value_and_grad(loss),
+    w,
+    x,
+    mask,
+    memory_limit=2**30,
+    batch_argnums=(1, 2),
+    weight_fn=lambda w, x, m: jnp.sum(m),
+  )
+  assert plan.num_microbatches == 1
+
+
+def test_plan_without_limit_on_cpu_says_pass_one():
+  if jax.local_devices()[0].memory_stats():
+    pytest.skip("this device reports a memory limit")  # GPU/TPU: covered by the next test
+  with pytest.raises(ValueError, match=r"reports none \(CPU devices never do\). Pass the budget"):
+    plan_microbatches(_VG, W, X)
+
+
+def test_plan_uses_device_limit_when_reported(monkeypatch):
+  class Device:
+    platform = "fake"
+
+    def memory_stats(self):
+      return {"bytes_limit": 2**40}
+
+  monkeypatch.setattr(jax, "local_devices", lambda: [Device()])
+  plan = plan_microbatches(_VG, W, X)
+  assert plan.memory_limit == 2**40 and plan.num_microbatches == 1
+
+
+@pytest.mark.parametrize(
+  "kwargs, error, match",
+  [
+    (dict(memory_limit=-1), ValueError, "memory_limit must be positive bytes, got -1"),
+    (dict(memory_limit="1GB"), TypeError, "memory_limit must be a number of bytes or None"),
+    (dict(memory_limit=True), TypeError, "memory_limit must be a number of bytes or None"),
+    (dict(memory_limit=2**30, num_microbatches=2), TypeError, "do not pass it"),
+    (dict(memory_limit=2**30, batch_argnums=3), ValueError, "batch_argnums contains 3"),
+  ],
+)
+def test_plan_rejects_bad_input(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    plan_microbatches(_VG, W, X, **kwargs)
