@@ -219,6 +219,7 @@ def accumulate(
       raise ValueError(f"{where}: emit=False contradicts force_emit=True.")
     if axis_name is not None:
       _core.warn_if_reduced(grads, weight, axis_name, where)
+      _core.check_uniform(force_emit, "force_emit", axis_name, where)
     if single:
       emit = True
 

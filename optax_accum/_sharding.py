@@ -111,9 +111,9 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: str | tuple[str
   >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, axis_name="data")
   >>> specs = optax_accum.state_partition_specs(tx, {"w": P(None, "model")}, "data")
   >>> specs.acc_grads, specs.acc_weight, specs.mini_step
-  ({'w': PartitionSpec('data', None, 'model')}, PartitionSpec('data',), PartitionSpec())
+  ({'w': P('data', None, 'model')}, P('data',), P())
   >>> specs.inner_state[0].mu
-  {'w': PartitionSpec(None, 'model')}
+  {'w': P(None, 'model')}
   """
   axes = _axes(axis_name)
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
@@ -244,9 +244,7 @@ def _opcode(line: str) -> str | None:
   return op.group(1) if op else None
 
 
-def count_collectives(
-  hlo_text: str, kind: str = "all-reduce", *, where: str = "all"
-) -> int:
+def count_collectives(hlo_text: str, kind: str = "all-reduce", *, where: str = "all") -> int:
   """Counts the collective ops of one kind in a compiled program's HLO text.
 
   Asynchronous pairs (``all-reduce-start``/``-done``) count once.
@@ -321,9 +319,7 @@ def conditional_branches(hlo_text: str, kind: str = "all-reduce") -> list[list[i
       out.append(
         [
           sum(
-            _opcode(x) in (kind, kind + "-start")
-            for c in _reachable(comps, [b])
-            for x in comps[c]
+            _opcode(x) in (kind, kind + "-start") for c in _reachable(comps, [b]) for x in comps[c]
           )
           for b in _callees(line)
         ]

@@ -161,13 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
   parser.add_argument("script")
   parser.add_argument("args", nargs=argparse.REMAINDER)
   a = parser.parse_args(argv)
-  codes = launch(
-    [sys.executable, a.script, *a.args],
-    a.num_processes,
-    local_devices=a.local_devices,
-    timeout=a.timeout,
-    log_dir=a.log_dir,
-  )
+  try:
+    codes = launch(
+      [sys.executable, a.script, *a.args],
+      a.num_processes,
+      local_devices=a.local_devices,
+      timeout=a.timeout,
+      log_dir=a.log_dir,
+    )
+  except TimeoutError as e:
+    print(e, file=sys.stderr)
+    return 124
   for i, c in enumerate(codes):
     if c != 0:
       print(f"process {i} exited with {c}", file=sys.stderr)
