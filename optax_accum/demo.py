@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import time
 from collections.abc import Sequence
@@ -83,7 +84,26 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2):
 
 
 def batch_indices(n: int, batch_size: int, steps: int, seed: int = 0) -> np.ndarray:
-  """(steps, batch_size) example indices: shuffled epochs, the incomplete last batch dropped."""
+  """(steps, batch_size) example indices: shuffled epochs, the incomplete last batch dropped.
+
+  Every method trains on these same batches, so their results can be compared step by step.
+
+  Args:
+    n: the number of training examples.
+    batch_size: examples per optimizer step (at most `n`).
+    steps: the number of optimizer steps.
+    seed: the shuffling seed.
+
+  Returns:
+    An int array of shape ``(steps, batch_size)``; each row holds distinct indices.
+
+  Raises:
+    ValueError: if `batch_size` exceeds `n`.
+
+  >>> idx = batch_indices(10, 4, steps=3)
+  >>> idx.shape, all(len(set(row)) == 4 for row in idx)
+  ((3, 4), True)
+  """
   if batch_size > n:
     raise ValueError(f"--batch-size must be at most the {n} training examples, got {batch_size}.")
   rng = np.random.default_rng(seed)
@@ -143,10 +163,7 @@ def train(
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   adam = optax.adam(learning_rate)
-  if method == "accumulate":
-    tx = optax_accum.accumulate(adam, every_k=k)
-  else:
-    tx = adam
+  tx = optax_accum.accumulate(adam, every_k=k) if method == "accumulate" else adam
   if method == "microbatch":
     grad_fn = optax_accum.microbatch(jax.value_and_grad(loss_fn), k, batch_argnums=(1, 2))
   else:
@@ -185,14 +202,22 @@ def train(
   seconds = time.perf_counter() - start
   bar.close()
 
-  final_loss = float(jax.jit(loss_fn)(params, x_train, y_train))
-  logits = jax.jit(model.apply)(params, x_test)
-  accuracy = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
+  final_loss, accuracy = map(float, _evaluate(model, params, x_train, y_train, x_test, y_test))
   return Result(method, losses, params, final_loss, accuracy, peak, temp, seconds)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _evaluate(model, params, x_train, y_train, x_test, y_test):
+  """The loss over the whole training set and the accuracy on the test set."""
+  logits = model.apply(params, x_train)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, y_train).mean()
+  accuracy = jnp.mean(jnp.argmax(model.apply(params, x_test), -1) == y_test)
+  return loss, accuracy
+
+
 def _max_diff(a, b) -> float:
-  return float(max(jnp.max(jnp.abs(x - y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  return float(max(jnp.max(jnp.abs(x - y)) for x, y in pairs))
 
 
 def _kib(n: int) -> str:

@@ -1,0 +1,115 @@
+"""Orbax checkpoints of an `accumulate` state saved in the middle of a window.
+
+* Resume in a fresh process (a subprocess running tests/_orbax_worker.py) and finish the run:
+  the parameters are bit-identical to the run that was never interrupted.
+* Restore onto a mesh of 8 CPU devices: every leaf, the accumulator sums included, comes back
+  with the sharding asked for, and training continues to the unsharded run's result.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import _orbax_worker as worker
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+
+def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
+  assert worker.SAVE_AT % worker.K != 0  # the checkpoint is taken inside a window
+  saved_params, saved_state = worker.save_mid_window(tmp_path / "ckpt")
+  assert int(saved_state.mini_step) == worker.SAVE_AT % worker.K
+  assert float(np.abs(saved_state.acc_grads["w"]).max()) > 0  # the open window's sums
+
+  out = tmp_path / "resumed.npz"
+  env = dict(os.environ)
+  env["PYTHONPATH"] = os.pathsep.join(
+    [os.path.dirname(__file__), *filter(None, [env.get("PYTHONPATH")])]
+  )
+  proc = subprocess.run(
+    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  resumed = np.load(out)
+
+  # The fresh process saw the window exactly as it was left.
+  assert int(resumed["restored_mini_step"]) == worker.SAVE_AT % worker.K
+  np.testing.assert_array_equal(resumed["restored_acc_w"], saved_state.acc_grads["w"])
+
+  params, state = worker.uninterrupted()
+  assert int(resumed["gradient_step"]) == int(state.gradient_step) == worker.TOTAL // worker.K
+  assert not np.array_equal(params["w"], saved_params["w"])  # the second window did update
+  np.testing.assert_array_equal(resumed["w"], params["w"])
+  np.testing.assert_array_equal(resumed["b"], params["b"])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  if len(jax.devices()) < 8:
+    pytest.fail("needs 8 devices: run with XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  return jax.make_mesh((4, 2), ("data", "model"))
+
+
+def test_orbax_sharded_restore_keeps_accumulator_sharding(tmp_path, mesh):
+  params0, data, tx = worker.setup()
+  param_shardings = {
+    "w": NamedSharding(mesh, P("data", "model")),  # (16, 4) over 4 x 2 devices
+    "b": NamedSharding(mesh, P("model")),
+  }
+  state_shardings = optax_accum.state_partition_specs(tx, param_shardings, None)
+  assert state_shardings.acc_grads["w"] == param_shardings["w"]
+
+  params = jax.device_put(params0, param_shardings)
+  state = jax.jit(tx.init, out_shardings=state_shardings)(params)
+  step = jax.jit(
+    worker.make_step(tx), out_shardings=(param_shardings, state_shardings), donate_argnums=(0, 1)
+  )
+  params, state = worker.run(step, params, state, data, 0, worker.SAVE_AT)
+  worker.save(tmp_path / "ckpt", params, state)
+  saved = jax.device_get({"params": params, "opt_state": state})
+
+  # Restore onto the mesh: the target says, leaf by leaf, which sharding to restore into.
+  shardings = {"params": param_shardings, "opt_state": state_shardings}
+  abstract = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    jax.eval_shape(lambda: saved),
+    shardings,
+  )
+  restored = worker.restore(tmp_path / "ckpt", abstract)
+  jax.tree.map(_assert_sharded_as, restored, shardings)
+  assert restored["opt_state"].acc_grads["w"].sharding.spec == P("data", "model")
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(restored), saved)
+
+  # Continue on the mesh: the unsharded uninterrupted run's result (float32: the sharded
+  # program may sum the gradient's reduction in another order, so not bit for bit).
+  params, state = worker.run(
+    step, restored["params"], restored["opt_state"], data, worker.SAVE_AT, worker.TOTAL
+  )
+  want, _ = worker.uninterrupted()
+  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-5, atol=1e-6), params, want)
+  assert optax_accum.AccumulateState is type(state)
+  assert params["w"].sharding.spec == P("data", "model")
+
+
+def _assert_sharded_as(x, want):
+  assert x.sharding.is_equivalent_to(want, x.ndim), (x.sharding, want)
+
+
+def test_orbax_restore_without_target_loses_the_state_type(tmp_path):
+  """Why the recipe restores into `jax.eval_shape(tx.init, params)`: without a target, Orbax
+  returns plain containers, not an `AccumulateState` an optimizer can update."""
+  worker.save_mid_window(tmp_path / "ckpt")
+  raw = worker.restore(tmp_path / "ckpt", None)
+  assert not isinstance(raw["opt_state"], optax_accum.AccumulateState)
