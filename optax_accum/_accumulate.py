@@ -288,6 +288,9 @@ def accumulate(
       """The emitting step: reduce across devices, then apply unless the window is empty."""
       sums, total = _core.reduce_window(sums, total, grads, axis_name, window_reduction)
       ok = total > 0
+      if single and weight is None and not skip_nonfinite:
+        # Nothing can empty this window: the inner optimizer itself, with no conditional.
+        return *apply(sums, total, inner_state, params, extra_args), ok
       new_updates, new_inner = lax.cond(
         ok, apply, skip, sums, total, inner_state, params, extra_args
       )

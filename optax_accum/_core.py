@@ -53,11 +53,21 @@ def zeros(tree: Any, accum_dtype) -> Any:
 
 
 def all_finite(tree: Any) -> jax.Array:
-  """A boolean scalar: True iff every floating leaf of `tree` is free of NaN and Inf."""
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if _is_float(x)]
-  if not leaves:
+  """A boolean scalar: True iff every floating leaf of `tree` is free of NaN and Inf.
+
+  Computed as ``sum(x * 0) == 0`` per leaf: ``x * 0`` is 0 for a finite `x` and NaN for NaN or
+  ±Inf, and a float sum of zeros cannot overflow, so this is exact. On XLA:CPU it is one fused
+  float reduction, measurably cheaper than ``all(isfinite(x))`` (a bool array and a chain of
+  reduce-windows). (``max(abs(x)) < inf`` would not do: XLA:CPU's max drops NaN.)
+  """
+  zeros = [jnp.sum(x * jnp.zeros((), x.dtype), dtype=jnp.float32) for x in _float_leaves(tree)]
+  if not zeros:
     return jnp.asarray(True)
-  return jnp.stack(leaves).all()
+  return sum(zeros[1:], zeros[0]) == 0
+
+
+def _float_leaves(tree: Any) -> list[Any]:
+  return [x for x in jax.tree.leaves(tree) if _is_float(x)]
 
 
 def add(
