@@ -1,0 +1,1 @@
+"""Side-by-side benchmarks of optax_accum against optax and hand-written loops."""

@@ -1,0 +1,364 @@
+"""Cross-step contenders: one jitted call per micro-batch, params and optimizer state donated.
+
+Every contender runs windows of k micro-steps over the same k micro-batches. The
+equivalent ones (accumulate in every spelling, optax.MultiSteps) must land on the parameters
+that Adam reaches on the k·b batch directly; `chain(adam, apply_every(k))` (Adam on every
+micro-batch, updates summed) and plain Adam at the micro-batch size (the floor) are speed
+references only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_accum
+from benchmarks import _harness as H
+
+LR = 1e-3
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def protocol_step(loss: Callable, tx: optax.GradientTransformation, **update_kwargs) -> Callable:
+  """The train step as users write it: grad -> tx.update -> optax.apply_updates."""
+
+  def step(params, state, batch):
+    value, grads = jax.value_and_grad(loss)(params, batch)
+    updates, state = tx.update(grads, state, params, **update_kwargs)
+    return optax.apply_updates(params, updates), state, value
+
+  return step
+
+
+class Contender:
+  """One way of training: compiled program(s), its own params and state, one micro-step per
+  `step()` call (the window position is the contender's own business)."""
+
+  name: str
+  equivalent: bool = True  # takes part in the agreement check
+  programs: dict[str, H.Compiled]
+
+  def __init__(self, k: int, micro: list):
+    self.k = k
+    self.micro = micro  # the k micro-batches of a window (device arrays)
+
+  def reset(self, params) -> None:
+    raise NotImplementedError
+
+  def step(self):
+    """One micro-step (dispatched, not waited for); returns arrays to block on."""
+    raise NotImplementedError
+
+  def window(self):
+    """k micro-steps: one whole window wherever the contender is in its own."""
+    out = None
+    for _ in range(self.k):
+      out = self.step()
+    return out
+
+  @property
+  def state_bytes(self) -> int:
+    return H.tree_bytes(self.state)
+
+
+class Protocol(Contender):
+  """grad -> tx.update -> apply, one compiled program (or two with static `emit`)."""
+
+  def __init__(self, name, tx, loss, params, k, micro, *, equivalent=True, static=False):
+    super().__init__(k, micro)
+    self.name, self.tx, self.equivalent, self.static = name, tx, equivalent, static
+    state = tx.init(params)
+    if static:
+      # Two programs chosen by the host counter: no conditional on the device.
+      self.programs = {
+        "accumulate": H.compile_fn(
+          protocol_step(loss, tx, emit=False), params, state, micro[0], donate_argnums=(0, 1)
+        ),
+        "emit": H.compile_fn(
+          protocol_step(loss, tx, emit=True), params, state, micro[0], donate_argnums=(0, 1)
+        ),
+      }
+    else:
+      self.programs = {
+        "step": H.compile_fn(
+          protocol_step(loss, tx), params, state, micro[0], donate_argnums=(0, 1)
+        )
+      }
+
+  def reset(self, params):
+    self.params = _copy(params)
+    self.state = self.tx.init(self.params)
+    self.i = 0
+
+  def step(self):
+    b = self.micro[self.i % self.k]
+    if self.static:
+      prog = self.programs["emit" if (self.i + 1) % self.k == 0 else "accumulate"]
+    else:
+      prog = self.programs["step"]
+    self.params, self.state, _ = prog(self.params, self.state, b)
+    self.i += 1
+    return self.params, self.state
+
+
+class StaticLean(Contender):
+  """Static emission, built so that nothing passes through the non-emitting program.
+
+  Non-emitting program: (params, acc fields [donated], batch) -> new acc fields; the inner
+  (Adam) state is not an argument and params are not an output (an output equal to a
+  non-donated input is a full copy). Emitting program: the optax step with `emit=True`,
+  params and the whole state donated.
+  """
+
+  def __init__(self, name, tx, loss, params, k, micro):
+    super().__init__(k, micro)
+    self.name, self.tx = name, tx
+    state = tx.init(params)
+    inner_shapes = jax.eval_shape(lambda s: s.inner_state, state)
+
+    def accumulate_step(params, acc, batch):
+      value, grads = jax.value_and_grad(loss)(params, batch)
+      # A stand-in inner state: emit=False never reads it, so XLA drops it.
+      placeholder = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), inner_shapes)
+      _, new = tx.update(grads, acc._replace(inner_state=placeholder), params, emit=False)
+      return new._replace(inner_state=None), value
+
+    acc = state._replace(inner_state=None)
+    self.programs = {
+      "accumulate": H.compile_fn(accumulate_step, params, acc, micro[0], donate_argnums=(1,)),
+      "emit": H.compile_fn(
+        protocol_step(loss, tx, emit=True), params, state, micro[0], donate_argnums=(0, 1)
+      ),
+    }
+
+  def reset(self, params):
+    self.params = _copy(params)
+    state = self.tx.init(self.params)
+    self.acc, self.inner = state._replace(inner_state=None), state.inner_state
+    self.i = 0
+
+  @property
+  def state(self):
+    return self.acc._replace(inner_state=self.inner)
+
+  def step(self):
+    b = self.micro[self.i % self.k]
+    if (self.i + 1) % self.k == 0:
+      self.params, state, _ = self.programs["emit"](self.params, self.state, b)
+      self.acc, self.inner = state._replace(inner_state=None), state.inner_state
+    else:
+      self.acc, _ = self.programs["accumulate"](self.params, self.acc, b)
+    self.i += 1
+    return self.params, self.acc
+
+
+class Fused(Contender):
+  """`optax_accum.TrainStep`: the library's static two-program train step (host counter)."""
+
+  def __init__(self, name, loss, params, k, micro, **kwargs):
+    super().__init__(k, micro)
+    self.name = name
+    self.helper = optax_accum.TrainStep(loss, optax.adam(LR), every_k=k, **kwargs)
+    state = self.helper.init(params)
+    self.programs = {}
+    for emit in (False, True) if k > 1 else (True,):
+      t0 = time.perf_counter()
+      compiled = self.helper.lower(params, state, micro[0], emit=emit).compile()
+      dt = time.perf_counter() - t0
+      text = compiled.as_text()
+      self.programs["emit" if emit else "accumulate"] = H.Compiled(
+        compiled, dt, H.memory(compiled), H.hlo_stats(text), text
+      )
+
+  def reset(self, params):
+    self.params = _copy(params)
+    self.state = self.helper.init(self.params)
+    self.i = 0
+
+  def step(self):
+    b = self.micro[self.i % self.k]
+    self.params, self.state, _ = self.helper(self.params, self.state, b)
+    self.i += 1
+    return self.params, self.state
+
+
+def make_contenders(model, params, k: int, micro: list, *, fused: bool = True) -> list[Contender]:
+  loss = model.loss
+  adam = optax.adam(LR)
+  cs: list[Contender] = [
+    Protocol("adam (floor)", adam, loss, params, k, micro, equivalent=False),
+    Protocol("accumulate", optax_accum.accumulate(adam, k), loss, params, k, micro),
+    Protocol(
+      "optax.MultiSteps",
+      optax.MultiSteps(adam, k).gradient_transformation(),
+      loss,
+      params,
+      k,
+      micro,
+    ),
+    Protocol(
+      "chain(adam, apply_every)",
+      optax.chain(adam, optax.apply_every(k)),
+      loss,
+      params,
+      k,
+      micro,
+      equivalent=False,
+    ),
+    Protocol(
+      "accumulate static (emit=, protocol)",
+      optax_accum.accumulate(adam, k),
+      loss,
+      params,
+      k,
+      micro,
+      static=True,
+    ),
+    StaticLean("accumulate static (lean)", optax_accum.accumulate(adam, k), loss, params, k, micro),
+  ]
+  if fused and hasattr(optax_accum, "TrainStep"):
+    cs.append(Fused("TrainStep (fused)", loss, params, k, micro))
+    # What the default NaN/Inf guard costs (an extra pass over the gradient every micro-step).
+    cs.append(
+      Fused("TrainStep (skip_nonfinite=False)", loss, params, k, micro, skip_nonfinite=False)
+    )
+  return cs
+
+
+def reference(model, params, micro: list, windows: int):
+  """Adam on the k·b batch directly: one step per window, the independent ground truth."""
+  big = jax.tree.map(lambda *xs: jnp.concatenate(xs), *micro)
+  adam = optax.adam(LR)
+
+  @jax.jit
+  def step(p, s):
+    g = jax.grad(model.loss)(p, big)
+    u, s = adam.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  p, s = params, adam.init(params)
+  for _ in range(windows):
+    p, s = step(p, s)
+  return p
+
+
+def check_agreement(model, params, cs: list[Contender], micro: list, windows: int):
+  """Asserts every equivalent contender lands where Adam on the large batch does.
+
+  Tolerance: Adam divides by sqrt(v), so a gradient component near 0 can change sign under a
+  different float32 summation order and move by up to 2·lr per step. We therefore bound the
+  largest parameter difference by 2·lr·windows and require the mean difference to be below
+  1e-3·lr — a wrong gradient (e.g. a missed or doubled micro-batch) moves most parameters
+  by ~lr and fails both.
+  """
+  ref = reference(model, params, micro, windows)
+  ref_leaves = [np.asarray(x) for x in jax.tree.leaves(ref)]
+  report = {}
+  for c in cs:
+    c.reset(params)
+    for _ in range(windows):
+      c.window()
+    got = [np.asarray(x) for x in jax.tree.leaves(c.params)]
+    diffs = np.concatenate([np.abs(a - b).ravel() for a, b in zip(got, ref_leaves, strict=True)])
+    worst, mean = float(diffs.max()), float(diffs.mean())
+    report[c.name] = {"max_abs": worst, "mean_abs": mean, "checked": c.equivalent}
+    if c.equivalent:
+      assert worst <= 2 * LR * windows and mean <= 1e-3 * LR, (
+        f"{c.name} disagrees with Adam on the large batch: max |Δ| {worst:.3g}, "
+        f"mean |Δ| {mean:.3g} (lr {LR})"
+      )
+  return report
+
+
+def dispatch_profile(c: Contender, windows: int) -> dict[str, float]:
+  """Seconds to dispatch `windows` windows without blocking vs to finish them.
+
+  A step that makes the host wait on the device (e.g. a GPU conditional reading its predicate
+  back) shows dispatch ≈ total; asynchronous dispatch shows dispatch << total.
+  """
+  H.block(c.window())
+  t0 = time.perf_counter()
+  out = None
+  for _ in range(windows):
+    out = c.window()
+  t1 = time.perf_counter()
+  H.block(out)
+  t2 = time.perf_counter()
+  return {"dispatch_s": t1 - t0, "total_s": t2 - t0, "dispatch_frac": (t1 - t0) / (t2 - t0)}
+
+
+def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list[dict[str, Any]]:
+  """All cross-step figures for one model: rows of the results table."""
+  params = model.init(jax.random.key(0))
+  rows = []
+  for k in ks:
+    micro = [model.batch(jax.random.key(100 + i), cfg["micro"]) for i in range(k)]
+    cs = make_contenders(model, params, k, micro)
+    # Two windows check that the state carries over between windows; one suffices at large k.
+    agreement = check_agreement(model, params, cs, micro, windows=2 if k < 16 else 1)
+    rounds = max(cfg["min_rounds"], -(-cfg["micro_steps"] // k))
+    if cfg.get("interleave_steps", True):
+      # Step by step, round robin, each step blocked: load bursts on a shared machine hit
+      # every contender alike. A sample is still the mean time per micro-step of a window.
+      timings = H.run_interleaved_steps(
+        {c.name: c.step for c in cs}, steps=k, rounds=rounds, progress=progress
+      )
+    else:  # whole windows dispatched asynchronously (accelerators: keeps dispatch overlap)
+      timings = H.run_side_by_side(
+        {c.name: c.window for c in cs}, rounds=rounds, units=float(k), progress=progress, warmup=0
+      )
+    base = timings["adam (floor)"]
+    ms = timings["optax.MultiSteps"]
+    adam_mem = cs[0].programs["step"].memory
+    adam_state = cs[0].state_bytes
+    dispatch = {}
+    if cfg.get("dispatch_windows") and k == cfg.get("dispatch_k"):
+      for c in cs:
+        dispatch[c.name] = dispatch_profile(c, cfg["dispatch_windows"])
+    for c in cs:
+      t = timings[c.name]
+      progs = {
+        name: {
+          "compile_s": p.compile_s,
+          "memory": p.memory,
+          "hlo": p.hlo.as_dict(),
+        }
+        for name, p in c.programs.items()
+      }
+      temp = max((p.memory.get("temp", 0) for p in c.programs.values()), default=None)
+      rows.append(
+        {
+          "model": model.name,
+          "k": k,
+          "contender": c.name,
+          "time": t.as_dict(),
+          "ratio_vs_adam": H.paired_ratio(t, base),
+          "ratio_vs_multisteps": H.paired_ratio(t, ms),
+          "temp_bytes": temp,
+          "temp_minus_adam": None if temp is None else temp - adam_mem.get("temp", 0),
+          "state_bytes": c.state_bytes,
+          "state_minus_adam": c.state_bytes - adam_state,
+          "param_bytes": H.tree_bytes(params),
+          "copy_bytes": sum(p.hlo.copy_bytes for p in c.programs.values()),
+          "conditionals": sum(p.hlo.conditionals for p in c.programs.values()),
+          "compile_s": sum(p.compile_s for p in c.programs.values()),
+          "programs": progs,
+          "agreement": agreement[c.name],
+          "dispatch": dispatch.get(c.name),
+        }
+      )
+    log(
+      f"[cross] {model.name} k={k}: "
+      + ", ".join(f"{c.name} {timings[c.name].median * 1e3:.1f}ms" for c in cs)
+    )
+    del cs
+  return rows

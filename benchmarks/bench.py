@@ -1,0 +1,242 @@
+"""optax_accum benchmarks: every contender side by side in one run, tables and plots.
+
+    python benchmarks/bench.py                      # CPU defaults: a few minutes on 2 cores
+    python benchmarks/bench.py --quick              # tiny sizes: checks the harness (~1 min)
+    python benchmarks/bench.py --scale gpu          # larger sizes for a GPU/TPU
+    python benchmarks/bench.py --only cross,within  # some sections only
+
+Sections: `cross` (accumulate vs optax.MultiSteps vs chain(adam, apply_every) vs plain Adam,
+plus the static-emission paths and `TrainStep`), `within` (microbatch vs
+optax.microbatching vs a Python loop vs the large batch), `precision` (bf16 accumulators),
+`emission` (dispatch share of each emission strategy; part of `cross`), `distributed`
+(all-reduces per update on 8 host devices, in a subprocess).
+
+Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out),
+and prints the backend and device it ran on. See BENCHMARKS.md for the protocol.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import optax  # noqa: E402
+
+from benchmarks import _cross, _models, _precision, _report, _within  # noqa: E402
+
+SECTIONS = ("cross", "within", "precision", "emission", "distributed")
+
+SCALES = {
+  # Tiny: checks that the harness runs end to end; figures are dispatch-bound, not meaningful.
+  "quick": {
+    "cross_models": [
+      (("mlp", (64, 128, 128, 10)), 8),
+      (("transformer", (64, 32, 1, 2, 16)), 4),
+    ],
+    "ks": (1, 4),
+    "micro_steps": 8,
+    "min_rounds": 3,
+    "dispatch_k": 4,
+    "dispatch_windows": 2,
+    "within_mlp": (16, 64, 64, 10),
+    "global_batch": 512,
+    "within_ks": (1, 2, 4, 8, 16, 32, 64),
+    "within_rounds": 3,
+    "precision_ks": (64, 256),
+    "precision_n": 1 << 14,
+    "dist_mlp": (16, 64, 64, 10),
+    "dist_ks": (4, 16),
+    "dist_micro": 4,
+  },
+  # CPU defaults: an MLP of ~10M parameters at micro-batch 64 (DESIGN.md's measurement) and a
+  # small transformer; an activation-dominated MLP for the within-step memory figures.
+  "cpu": {
+    "cross_models": [
+      (("mlp", (784, 2048, 2048, 2048, 10)), 64),
+      (("transformer", (256, 128, 2, 4, 64)), 8),
+    ],
+    "ks": (1, 4, 16),
+    "micro_steps": 24,
+    "min_rounds": 3,
+    "dispatch_k": 4,
+    "dispatch_windows": 2,
+    "within_mlp": (16, 128, 128, 128, 128, 10),
+    "global_batch": 8192,
+    "within_ks": (1, 2, 4, 8, 16, 32, 64),
+    "within_rounds": 15,
+    "precision_ks": (64, 256),
+    "precision_n": 1 << 18,
+    "dist_mlp": (64, 256, 256, 10),
+    "dist_ks": (4, 16),
+    "dist_micro": 8,
+  },
+  # Accelerators: larger models and batches, more rounds.
+  "gpu": {
+    "cross_models": [
+      (("mlp", (784, 2048, 2048, 2048, 10)), 256),
+      (("transformer", (1024, 512, 4, 8, 256)), 32),
+    ],
+    "ks": (1, 4, 16),
+    "micro_steps": 96,
+    "min_rounds": 10,
+    "interleave_steps": False,  # keep asynchronous dispatch: whole windows, blocked at the end
+    "dispatch_k": 4,
+    "dispatch_windows": 16,
+    "within_mlp": (64, 1024, 1024, 1024, 1024, 10),
+    "global_batch": 65536,
+    "within_ks": (1, 2, 4, 8, 16, 32, 64),
+    "within_rounds": 20,
+    "precision_ks": (64, 256),
+    "precision_n": 1 << 22,
+    "dist_mlp": (64, 256, 256, 10),
+    "dist_ks": (4, 16),
+    "dist_micro": 8,
+  },
+}
+
+
+def build_model(spec):
+  kind, args = spec
+  if kind == "mlp":
+    return _models.mlp(tuple(args), name="mlp")
+  return _models.transformer(*args, name="transformer")
+
+
+def run_distributed(cfg: dict, log) -> list[dict]:
+  """The distributed section in a subprocess with 8 host devices (the count is fixed at start)."""
+  env = dict(os.environ)
+  if jax.default_backend() == "cpu":
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+  keys = ("dist_mlp", "dist_ks", "dist_micro")
+  with tempfile.TemporaryDirectory() as tmp:
+    out = Path(tmp) / "dist.json"
+    cmd = [
+      sys.executable,
+      str(Path(__file__).with_name("_distributed.py")),
+      "--config",
+      json.dumps({k: cfg[k] for k in keys}),
+      "--out",
+      str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+      log(proc.stdout[-3000:] + proc.stderr[-3000:])
+      raise RuntimeError("distributed section failed (output above)")
+    rows = json.loads(out.read_text())
+  for r in rows:
+    log(
+      f"[distributed] {r['section']} k={r['k']} {r['contender']}: "
+      f"{r['all_reduce_ops']:.0f} all-reduce(s) / update"
+    )
+  return rows
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
+  ap.add_argument(
+    "--scale", choices=sorted(SCALES), default=None, help="problem sizes (default: cpu)"
+  )
+  ap.add_argument("--quick", action="store_true", help="same as --scale quick")
+  ap.add_argument(
+    "--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}"
+  )
+  ap.add_argument(
+    "--out", default=None, help="output folder (default benchmarks/results/<backend>)"
+  )
+  args = ap.parse_args(argv)
+  scale = "quick" if args.quick else (args.scale or "cpu")
+  cfg = SCALES[scale]
+  only = [s.strip() for s in args.only.split(",") if s.strip()]
+  bad = [s for s in only if s not in SECTIONS]
+  if bad:
+    ap.error(f"--only: unknown section(s) {bad}; choose from {SECTIONS}")
+  if "emission" in only and "cross" not in only:
+    only.append("cross")  # the emission figures come from the cross-step contenders
+  cfg = dict(cfg, dispatch_windows=cfg["dispatch_windows"] if "emission" in only else 0)
+
+  backend = jax.default_backend()
+  device = jax.devices()[0]
+  device_kind = getattr(device, "device_kind", str(device))
+  out = (
+    Path(args.out)
+    if args.out
+    else ROOT / "benchmarks" / "results" / (backend if scale != "quick" else f"{backend}-quick")
+  )
+  print(f"backend: {backend} · device: {device_kind} × {jax.device_count()} · scale: {scale}")
+
+  from tqdm import tqdm
+
+  models = [(build_model(spec), micro) for spec, micro in cfg["cross_models"]]
+  total = 0
+  if "cross" in only:
+    total += len(models) * sum(
+      max(cfg["min_rounds"], -(-cfg["micro_steps"] // k)) for k in cfg["ks"]
+    )
+  if "within" in only:
+    total += cfg["within_rounds"] * len(cfg["within_ks"])
+  if "precision" in only:
+    total += len(cfg["precision_ks"])
+  bar = tqdm(total=total, unit="round", dynamic_ncols=True)
+  log = bar.write
+
+  t0 = time.perf_counter()
+  res: dict = {
+    "meta": {
+      "backend": backend,
+      "device": f"{device_kind} × {jax.device_count()}",
+      "scale": scale,
+      "command": "python benchmarks/bench.py" + (f" --scale {scale}" if scale != "cpu" else ""),
+      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      "jax": jax.__version__,
+      "optax": optax.__version__,
+      "cpu_count": os.cpu_count(),
+      "config": cfg,
+      "models": {},
+    }
+  }
+  if "cross" in only:
+    res["cross"] = []
+    for model, micro in models:
+      params = model.init(jax.random.key(0))
+      res["meta"]["models"][model.name] = {"params": _models.num_params(params), "micro": micro}
+      mcfg = dict(cfg, micro=micro)
+      res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=log)
+  if "within" in only:
+    model = _models.mlp(tuple(cfg["within_mlp"]), name="activation-heavy mlp")
+    res["meta"]["within_model"] = {
+      "name": f"MLP {'-'.join(map(str, cfg['within_mlp']))}",
+      "params": _models.num_params(model.init(jax.random.key(0))),
+      "global_batch": cfg["global_batch"],
+    }
+    wcfg = dict(cfg, ks=cfg["within_ks"])
+    res["within"] = _within.run(model, wcfg, progress=bar, log=log)
+    res["within_compile"] = _within.compile_times(model, wcfg, log=log)
+  if "precision" in only:
+    res["precision"] = _precision.run(cfg, progress=bar, log=log)
+  if "distributed" in only:
+    res["distributed"] = run_distributed(cfg, log)
+  bar.close()
+  res["meta"]["seconds"] = time.perf_counter() - t0
+  files = _report.write(res, out)
+  print()
+  print(_report.markdown({**res, "cross": [], "within": [], "precision": [], "distributed": []}))
+  print(f"wrote {', '.join(files)} to {out}")
+
+
+if __name__ == "__main__":
+  main()
