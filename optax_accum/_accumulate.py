@@ -206,6 +206,7 @@ def accumulate(
     weight=None,
     force_emit=False,
     emit: bool | None = None,
+    _apply_to_params: bool = False,
     **extra_args,
   ):
     grads = updates
@@ -217,6 +218,8 @@ def accumulate(
       raise TypeError(f"{where}: emit must be None or a Python bool, got {emit!r}.")
     if emit is False and force_emit is True:
       raise ValueError(f"{where}: emit=False contradicts force_emit=True.")
+    if _apply_to_params and (emit is not True or params is None):
+      raise ValueError(f"{where}: _apply_to_params needs emit=True and params.")
     if axis_name is not None:
       _core.warn_if_reduced(grads, weight, axis_name, where)
       _core.check_uniform(force_emit, "force_emit", axis_name, where)
@@ -277,10 +280,17 @@ def accumulate(
       new_updates, new_inner = inner.update(g, inner_state, params, **extra_args)
       # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and
       # f32 grads); the state's dtypes are fixed by init so that it stays a valid carry.
-      return new_updates, optax.tree.cast_like(new_inner, inner_state)
+      new_inner = optax.tree.cast_like(new_inner, inner_state)
+      if _apply_to_params:
+        # TrainStep's emitting program: applying inside the branch lets XLA fuse the inner
+        # update into the apply, instead of materialising `updates` as the branch's output.
+        return optax.apply_updates(params, new_updates), new_inner
+      return new_updates, new_inner
 
     def skip(sums, total, inner_state, params, extra_args):
-      del sums, total, params, extra_args
+      del sums, total, extra_args
+      if _apply_to_params:
+        return params, inner_state
       zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), out_types)
       return zeros, inner_state
 

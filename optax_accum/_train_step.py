@@ -99,9 +99,15 @@ class TrainStep:
 
   def _step(self, params, state, args, weight, *, emit):
     value, grads = self._grad(params, *args)
-    updates, state = self.tx.update(grads, state, params, weight=weight, emit=emit)
     if emit:
-      params = optax.apply_updates(params, updates)
+      # The emitting program returns the new parameters directly (applied inside the window's
+      # conditional); the accumulating one's updates are constant zeros, so it returns params
+      # untouched and XLA passes the donated buffers through.
+      params, state = self.tx.update(
+        grads, state, params, weight=weight, emit=True, _apply_to_params=True
+      )
+    else:
+      _, state = self.tx.update(grads, state, params, weight=weight, emit=False)
     return params, state, value
 
   def __call__(

@@ -54,7 +54,12 @@ def test_train_step_matches_large_batch(k, donate):
   jax.tree.map(close, params, expected)
 
 
-def test_train_step_equals_dynamic_accumulate_bitwise():
+def test_train_step_equals_dynamic_accumulate():
+  """Same numbers as the dynamic path; the counters exactly, the floats to rounding.
+
+  Not bitwise: TrainStep applies the update inside the emitting branch, where XLA fuses the Adam
+  update into the apply and may contract multiply-adds differently (1 ulp).
+  """
   k, b = 3, 4
   x, y = _data(k * b * 2, seed=1)
   step = optax_accum.TrainStep(_loss, optax.adam(0.05), every_k=k, donate=False)
@@ -70,8 +75,10 @@ def test_train_step_equals_dynamic_accumulate_bitwise():
   for xb, yb in zip(jnp.split(x, 2 * k), jnp.split(y, 2 * k), strict=True):
     p1, s1, _ = step(p1, s1, xb, yb)
     p2, s2 = dynamic(p2, s2, xb, yb)
+  assert int(s1.gradient_step) == int(s2.gradient_step) == 2
+  assert int(s1.mini_step) == int(s2.mini_step) == 0
   for a, e in zip(jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2)), strict=True):
-    np.testing.assert_array_equal(a, e)
+    np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
 
 
 def test_train_step_resyncs_with_a_restored_state():
