@@ -156,6 +156,21 @@ def test_accumulate_every_k_1_holds_no_accumulator():
   assert extra <= 64, f"k=1 state holds {extra} bytes beyond Adam's"
 
 
+def test_accumulate_every_k_1_without_skipping_compiles_to_the_inner_optimizer():
+  # DESIGN.md: every_k == 1 costs no accumulator and no extra time. With nothing that could
+  # empty the window (no NaN check, no weights) the program is plain Adam: no conditional and
+  # the same temporary bytes. (With skip_nonfinite=True it pays for the check and a cond.)
+  params, loss, batch = _mlp()
+  adam = optax.adam(1e-3)
+  tx = optax_accum.accumulate(adam, 1, skip_nonfinite=False)
+  floor = compile_fn(
+    _protocol_step(loss, adam), params, adam.init(params), batch, donate_argnums=(0, 1)
+  )
+  ours = compile_fn(_protocol_step(loss, tx), params, tx.init(params), batch, donate_argnums=(0, 1))
+  assert ours.hlo.conditionals == 0
+  assert ours.memory["temp"] == floor.memory["temp"], (ours.memory, floor.memory)
+
+
 @pytest.mark.parametrize("k", [4])
 def test_accumulate_state_holds_exactly_one_accumulator(k):
   params, _, _ = _mlp()
