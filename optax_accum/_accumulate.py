@@ -230,25 +230,27 @@ def accumulate(
       return x if axis_name is None else jax.tree.map(lambda a: a[0], x)
 
     window_reduction = reduction
-    if single:
-      # No accumulator: the window is this one gradient. Its mean is itself; only a drop or a
-      # zero weight (total == 0) changes anything.
+    if single and axis_name is None:
+      # No accumulator: the window is this one gradient, whose mean is itself (so no division:
+      # "sum"); only a drop or a zero weight (total == 0) changes anything.
       w = jnp.ones((), jnp.float32) if weight is None else weight.astype(jnp.float32)
-      keep = _core.all_finite(grads) if skip_nonfinite else jnp.asarray(True)
-      total = jnp.where(keep, w, jnp.zeros_like(w))
-      dropped = jnp.logical_not(keep)
-      if axis_name is None:
-        # sums already hold the window's result: no division, no accumulator.
-        window_reduction = "sum"
-        sums = grads
-        if weight is not None and reduction == "sum":
-          sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
-      else:
-        # Other devices will see this gradient through the psum: mask it like any window.
-        zero = jnp.zeros((), jnp.float32)
-        sums, total, dropped = _core.add(
-          _core.zeros(grads, accum_dtype), zero, grads, weight, skip_nonfinite=skip_nonfinite
-        )
+      finite = _core.all_finite(grads) if skip_nonfinite else jnp.asarray(True)
+      total = jnp.where(finite, w, jnp.zeros_like(w))
+      dropped = jnp.logical_not(finite)
+      window_reduction = "sum"
+      sums = grads
+      if weight is not None and reduction == "sum":
+        sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
+    elif single:
+      # Other devices will see this gradient through the psum: mask and weigh it like any
+      # window (XLA folds the zero it starts from).
+      sums, total, dropped = _core.add(
+        _core.zeros(grads, accum_dtype),
+        jnp.zeros((), jnp.float32),
+        grads,
+        weight,
+        skip_nonfinite=skip_nonfinite,
+      )
     else:
       # The accumulator is reset lazily: a window's first micro-step ignores what the state
       # holds (the sums of the window closed last), so the emitting step never rewrites it.
@@ -306,7 +308,8 @@ def accumulate(
       )
       return new_updates, new_inner, ok
 
-    def keep(sums, total, inner_state, params, extra_args):
+    def stay_open(sums, total, inner_state, params, extra_args):
+      """A non-emitting step: zero updates, the inner optimizer untouched."""
       new_updates, new_inner = skip(sums, total, inner_state, params, extra_args)
       return new_updates, new_inner, jnp.asarray(False)
 
@@ -316,11 +319,11 @@ def accumulate(
       new_updates, new_inner, applied = close(*operands)
       emitting = jnp.asarray(True)
     elif emit is False:
-      new_updates, new_inner, applied = keep(*operands)
+      new_updates, new_inner, applied = stay_open(*operands)
       emitting = jnp.asarray(False)
     else:
       emitting = jnp.logical_or(state.mini_step + 1 >= k, jnp.asarray(force_emit, jnp.bool_))
-      new_updates, new_inner, applied = lax.cond(emitting, close, keep, *operands)
+      new_updates, new_inner, applied = lax.cond(emitting, close, stay_open, *operands)
 
     new_state = AccumulateState(
       mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),

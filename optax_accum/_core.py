@@ -5,7 +5,7 @@ Everything that decides *what* the accumulated result is lives here, once:
 * `zeros` — an accumulator for a pytree, in the accumulator dtype;
 * `all_finite` — whether a micro-batch counts (NaN/Inf anywhere drops it);
 * `add` — ``sums + w * x`` and ``total + w`` for one micro-batch, the drop applied;
-* `reduce` — the cross-device sum over an axis name, run once per update;
+* `reduce`, `reduce_window` — the cross-device sums over an axis name, run once per update;
 * `normalise` — ``sums / total`` (guarded) or ``sums``, cast back to the input dtypes.
 
 The two front ends only decide *when* these run (a `lax.cond` on the k-th step, or a
@@ -189,7 +189,8 @@ def check_axis(axis_name: str | tuple[str, ...] | None, where: str) -> None:
     raise ValueError(f"{where}: " + AXIS_NOT_BOUND.format(axis=axis_name)) from e
 
 
-def _axes(axis_name) -> tuple[str, ...]:
+def axis_names(axis_name) -> tuple[str, ...]:
+  """`axis_name` (one name, or a tuple of names for several mesh axes) as a tuple."""
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
@@ -204,11 +205,11 @@ def vma(x) -> frozenset:
 
 def tracks_varying(axis_name) -> bool:
   """True when the enclosing map tracks device variance (shard_map with check_vma)."""
-  return all(a in vma(lax.axis_index(axis_name)) for a in _axes(axis_name))
+  return all(a in vma(lax.axis_index(axis_name)) for a in axis_names(axis_name))
 
 
 def is_varying(x, axis_name) -> bool:
-  return all(a in vma(x) for a in _axes(axis_name))
+  return all(a in vma(x) for a in axis_names(axis_name))
 
 
 def to_varying(tree: Any, axis_name) -> Any:
@@ -217,7 +218,7 @@ def to_varying(tree: Any, axis_name) -> Any:
     return tree
 
   def cast(x):
-    missing = tuple(a for a in _axes(axis_name) if a not in vma(x))
+    missing = tuple(a for a in axis_names(axis_name) if a not in vma(x))
     return lax.pcast(x, missing, to="varying") if missing else x
 
   return jax.tree.map(cast, tree)
@@ -232,11 +233,6 @@ def reduce(tree: Any, axis_name) -> Any:
   if axis_name is None:
     return tree
   return lax.psum(to_varying(tree, axis_name), axis_name)
-
-
-def reduce_total(total: jax.Array, axis_name) -> jax.Array:
-  """The global weight: the sum of every device's accumulated weight."""
-  return reduce(total, axis_name)
 
 
 def reduce_window(
@@ -260,7 +256,7 @@ def reduce_window(
   sums, total = reduce((sums, total), axis_name)
   if reduction == "sum" and tracks_varying(axis_name):
     size = 1
-    for a in _axes(axis_name):
+    for a in axis_names(axis_name):
       size *= lax.axis_size(a)
 
     def undo(s, x):

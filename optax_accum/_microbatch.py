@@ -504,8 +504,8 @@ def microbatch(
       (carry, _), ys = lax.scan(body, (carry0, parts), steps)
     means, sums, total, last, state = carry
 
-    means, sums = _core.reduce((means, sums), axis_name)  # one fused all-reduce
-    total = _core.reduce_total(total, axis_name)
+    # Once, after the loop: the sums and the weight in one all-reduce.
+    means, sums, total = _core.reduce((means, sums, total), axis_name)
     results = [None] * len(out_leaves)
     for r, values in (
       ("mean", _core.normalise(means, total, means_t, "mean")),

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from optax_accum import _core
 from optax_accum._accumulate import AccumulateState
 
 
@@ -42,9 +43,7 @@ def _is_spec(x) -> bool:
 
 
 def _axes(axis_name) -> tuple[str, ...]:
-  if axis_name is None:
-    return ()
-  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+  return () if axis_name is None else _core.axis_names(axis_name)
 
 
 _NEEDS_AXIS = (
