@@ -22,6 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from optax_accum import _sharding
+
 # ----------------------------------------------------------------------------------------------
 # Compilation, memory, HLO.
 
@@ -48,7 +50,6 @@ _DTYPE_BYTES = {
 }
 _SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
 _CALLS = re.compile(
   r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)"
 )
@@ -97,23 +98,9 @@ def hlo_stats(text: str) -> HloStats:
   (inside a while body: runs once per iteration). Fusion bodies are not walked for copies:
   a fused copy is part of a kernel, not a separate pass over memory.
   """
-  comps: dict[str, list[tuple[str, str, str, str]]] = {}
-  entry = None
-  current = None
-  for line in text.splitlines():
-    if line.startswith("ENTRY") or (line and not line[0].isspace() and line.rstrip().endswith("{")):
-      m = _COMP.match(line)
-      if m:
-        current = m.group(1)
-        comps[current] = []
-        if line.startswith("ENTRY"):
-          entry = current
-      continue
-    if current is None:
-      continue
-    m = _INSTR.match(line)
-    if m:
-      comps[current].append((m.group(1), m.group(2), m.group(3), m.group(4)))
+  # The module split into computations is the library's own (`count_collectives` uses it).
+  lines, entry = _sharding._computations(text)
+  comps = {name: [m.groups() for m in map(_INSTR.match, body) if m] for name, body in lines.items()}
 
   # Walk the call graph from ENTRY, remembering the placement of every computation.
   fused: set[str] = set()
