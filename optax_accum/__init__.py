@@ -1,9 +1,10 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+from optax_accum._hlo import count_collectives
 from optax_accum._microbatch import microbatch
 from optax_accum._plan import MicrobatchPlan, plan_microbatches
-from optax_accum._sharding import count_collectives, state_partition_specs
+from optax_accum._sharding import state_partition_specs
 from optax_accum._train_step import TrainStep
 
 __all__ = [

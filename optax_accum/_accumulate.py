@@ -1,7 +1,21 @@
-"""`accumulate`: an optax transformation that applies its inner optimizer every k-th step."""
+"""`accumulate`: an optax transformation that applies its inner optimizer every k-th step.
+
+`update_fn` strings small module-level pieces together, each taking its operands explicitly, so
+that `TrainStep` builds its two compiled programs from the very same pieces::
+
+    check_update → add → close_window (every k-th step) or keep_open → advance
+
+* `add` — the micro-batch into the window's sums (`_core`; no accumulator when every_k == 1);
+* `close_window` — the window's sums across devices (`_collectives.reduce_window`, one
+  all-reduce), then the inner update unless the window is empty, *finished* into updates (the
+  optax protocol) or into new parameters (`TrainStep`);
+* `keep_open` — a non-emitting step: no inner update at all;
+* `advance` — the next `AccumulateState`.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -10,7 +24,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from optax_accum import _core
+from optax_accum import _checks, _collectives, _core
+from optax_accum._typing import AxisName, DType, Reduction
 
 EveryK = int | Callable[[jax.Array], Any]
 
@@ -61,27 +76,68 @@ def has_updated(state: AccumulateState) -> jax.Array:
   return state.updated
 
 
-def _check_every_k(every_k: Any) -> EveryK:
-  if callable(every_k):
-    return every_k
-  if isinstance(every_k, bool) or not isinstance(every_k, int):
-    raise TypeError(
-      "every_k must be a positive int or a callable gradient_step -> k, got "
-      f"{every_k!r} of type {type(every_k).__name__}."
+# ----------------------------------------------------------------------------------------------
+# The pieces.
+
+
+class Config(NamedTuple):
+  """`accumulate`'s arguments, checked and canonical (static: hashable, never traced)."""
+
+  inner: optax.GradientTransformationExtraArgs
+  every_k: EveryK
+  reduction: Reduction
+  accum_dtype: jnp.dtype | None
+  skip_nonfinite: bool
+  axis_name: AxisName | None
+
+  @property
+  def unaccumulated(self) -> bool:
+    """every_k is the static int 1: every micro-batch is a window of its own, no accumulator."""
+    return isinstance(self.every_k, int) and self.every_k == 1
+
+  @property
+  def window_reduction(self) -> Reduction:
+    """How `close_window` normalises the sums `add` returns (see `_core.add_one`)."""
+    return "sum" if self.unaccumulated and self.axis_name is None else self.reduction
+
+
+def make_config(
+  inner: optax.GradientTransformation,
+  every_k: Any,
+  reduction: Any,
+  accum_dtype: Any,
+  skip_nonfinite: bool,
+  axis_name: AxisName | None,
+) -> Config:
+  """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
+  if not callable(every_k):
+    every_k = _checks.positive_int(
+      every_k, "every_k", alternative=" or a callable gradient_step -> k"
     )
-  if every_k < 1:
-    raise ValueError(f"every_k must be a positive int, got {every_k}.")
-  return every_k
+  return Config(
+    inner=optax.with_extra_args_support(inner),
+    every_k=every_k,
+    reduction=_checks.reduction(reduction),
+    accum_dtype=_checks.accum_dtype(accum_dtype),
+    skip_nonfinite=bool(skip_nonfinite),
+    axis_name=axis_name,
+  )
 
 
-def _check_reduction(reduction: Any) -> _core.Reduction:
-  if reduction not in _core.REDUCTIONS:
-    hint = " Maybe you meant 'mean'." if reduction in ("avg", "average") else ""
-    raise ValueError(f"reduction must be one of {_core.REDUCTIONS}, got {reduction!r}.{hint}")
-  return reduction
+def _per_device(tree: Any, axis_name: AxisName | None) -> Any:
+  """With an axis name each device holds its own partial sums: a leading axis of length 1 makes
+  them a stacked ``(num_devices, ...)`` array outside the map (see `state_partition_specs`)."""
+  if axis_name is None:
+    return tree
+  return jax.tree.map(lambda a: a[None], _collectives.to_varying(tree, axis_name))
 
 
-def _check_tree(grads: Any, state: AccumulateState, lead: int) -> None:
+def _this_device(tree: Any, axis_name: AxisName | None) -> Any:
+  """The inverse of `_per_device`: this device's partial sums."""
+  return tree if axis_name is None else jax.tree.map(lambda a: a[0], tree)
+
+
+def _check_tree(grads: Any, state: AccumulateState, axis_name: AxisName | None) -> None:
   """Raises if `grads` has another tree or other shapes than the accumulator in `state`."""
   if state.acc_grads is None:
     return
@@ -92,11 +148,12 @@ def _check_tree(grads: Any, state: AccumulateState, lead: int) -> None:
       f"  grads: {got}\n  state: {want}\n"
       "Maybe init was called on different parameters than those you differentiate."
     )
+  per_device_axis = 0 if axis_name is None else 1
   pairs = zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(state.acc_grads), strict=True)
   bad = [
-    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, state {jnp.shape(a)[lead:]}"
+    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, state {jnp.shape(a)[per_device_axis:]}"
     for (path, g), a in pairs
-    if jnp.shape(a)[lead:] != jnp.shape(g)
+    if jnp.shape(a)[per_device_axis:] != jnp.shape(g)
   ]
   if bad:
     raise ValueError(
@@ -104,14 +161,242 @@ def _check_tree(grads: Any, state: AccumulateState, lead: int) -> None:
     )
 
 
+def check_update(
+  cfg: Config, grads: Any, state: AccumulateState, weight: Any, force_emit: Any, emit: Any
+) -> jax.Array | None:
+  """The trace-time checks of one `update` call; returns the weight as an array (or None)."""
+  caller = "accumulate.update"
+  _collectives.check_bound(cfg.axis_name, caller)
+  _check_tree(grads, state, cfg.axis_name)
+  weight = _checks.weight(weight, caller)
+  if emit is not None and not isinstance(emit, bool):
+    raise TypeError(f"{caller}: emit must be None or a Python bool, got {emit!r}.")
+  if emit is False and force_emit is True:
+    raise ValueError(f"{caller}: emit=False contradicts force_emit=True.")
+  if cfg.axis_name is not None:
+    _collectives.warn_if_reduced(grads, weight, cfg.axis_name, caller)
+    _collectives.check_uniform(force_emit, "force_emit", cfg.axis_name, caller)
+  return weight
+
+
+def window_length(every_k: EveryK, gradient_step: jax.Array) -> jax.Array:
+  """The length of the window that opens at `gradient_step` (schedules clamped to >= 1)."""
+  if isinstance(every_k, int):
+    return jnp.asarray(every_k, jnp.int32)
+  k = jnp.asarray(every_k(gradient_step))
+  if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
+    raise TypeError(
+      f"every_k(gradient_step) must return an integer scalar, got {k.dtype}{list(k.shape)}."
+    )
+  return jnp.maximum(k.astype(jnp.int32), 1)
+
+
+def add(
+  cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None
+) -> tuple[Any, jax.Array, jax.Array]:
+  """This micro-batch into the open window: ``(sums, total, dropped)`` for this device."""
+  if cfg.unaccumulated and cfg.axis_name is None:
+    return _core.add_one(grads, weight, skip_nonfinite=cfg.skip_nonfinite, reduction=cfg.reduction)
+  if cfg.unaccumulated:
+    # Other devices will see this gradient through the psum: mask and weigh it like any window
+    # (XLA folds the zeros it starts from).
+    sums, total = _core.zeros(grads, cfg.accum_dtype), jnp.zeros((), jnp.float32)
+    restart = None
+  else:
+    # The accumulator is reset lazily: a window's first micro-step ignores what the state holds
+    # (the sums of the window closed last), so the emitting step never rewrites it.
+    sums = _this_device(state.acc_grads, cfg.axis_name)
+    total = _this_device(state.acc_weight, cfg.axis_name)
+    restart = state.mini_step == 0
+  return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
+
+
+def zero_updates(
+  cfg: Config, grads: Any, inner_state: Any, params: Any, extra_args: dict, emit: bool | None
+) -> Any:
+  """The updates of a step that applies nothing: zeros typed exactly like the inner updates."""
+  try:
+    types = jax.eval_shape(
+      lambda g, s, p: cfg.inner.update(g, s, p, **extra_args)[0], grads, inner_state, params
+    )
+  except TypeError:
+    if emit is not False:
+      raise
+    # emit=False never runs the inner optimizer, so a caller may leave out arguments only the
+    # emitting step needs (e.g. `value=` for reduce_on_plateau); updates then take the
+    # gradients' structure and dtypes.
+    types = jax.eval_shape(lambda g: g, grads)
+  return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+
+
+def can_be_empty(cfg: Config, weight: jax.Array | None) -> bool:
+  """Whether a closing window may hold no weight (so its inner update needs a guard)."""
+  return not cfg.unaccumulated or weight is not None or cfg.skip_nonfinite
+
+
+class Window(NamedTuple):
+  """What a closing window works on: the operands `lax.cond` carries into its branches."""
+
+  sums: Any  # this device's Σ wᵢ gᵢ, in the accumulator dtype
+  total: jax.Array  # this device's Σ wᵢ
+  inner_state: Any
+  params: Any
+  extra_args: dict
+
+
+class Finish(NamedTuple):
+  """What the emitting step returns: from the inner updates, and when the window is empty.
+
+  The optax protocol returns the updates (`updates_finish`); `TrainStep` applies them inside the
+  emitting branch (`APPLY`), so XLA fuses the inner update into the parameter update instead of
+  materialising the updates as the branch's output.
+  """
+
+  applied: Callable[[Any, Any], Any]  # (updates, params) -> output
+  empty: Callable[[Any], Any]  # params -> output, when nothing is applied
+
+
+APPLY = Finish(applied=lambda updates, params: optax.apply_updates(params, updates),
+               empty=lambda params: params)  # fmt: skip
+
+
+def updates_finish(zeros: Any) -> Finish:
+  """The optax protocol's finish: the updates, or `zeros` when nothing is applied."""
+  return Finish(applied=lambda updates, params: updates, empty=lambda params: zeros)
+
+
+def _inner_update(cfg: Config, like: Any, finish: Finish, sums, total, inner_state, params, extra):
+  g = _core.normalise(sums, total, like, cfg.window_reduction)
+  updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
+  # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
+  # grads); the state's dtypes are fixed by init so that it stays a valid carry.
+  return finish.applied(updates, params), optax.tree.cast_like(new_inner, inner_state)
+
+
+def _no_update(finish: Finish, sums, total, inner_state, params, extra):
+  del sums, total, extra
+  return finish.empty(params), inner_state
+
+
+def close_window(
+  cfg: Config, like: Any, finish: Finish, can_be_empty: bool, window: Window
+) -> tuple[Any, Any, jax.Array]:
+  """The emitting step: one all-reduce across devices, then the inner update unless the window
+  holds no weight. Returns ``(finished output, inner state, applied)``.
+
+  `like` (the micro-batch gradients) is read only for its dtypes and device variance.
+  `can_be_empty=False` (every_k == 1, no weight, no skipping) needs no guard: the inner
+  optimizer itself, with no conditional.
+  """
+  sums, total = _collectives.reduce_window(
+    window.sums, window.total, like, cfg.axis_name, cfg.window_reduction
+  )
+  operands = (sums, total, window.inner_state, window.params, window.extra_args)
+  applied = total > 0
+  apply = functools.partial(_inner_update, cfg, like, finish)
+  if not can_be_empty:
+    return *apply(*operands), applied
+  return *lax.cond(applied, apply, functools.partial(_no_update, finish), *operands), applied
+
+
+def keep_open(finish: Finish, window: Window) -> tuple[Any, Any, jax.Array]:
+  """A non-emitting step: nothing applied, the inner optimizer untouched."""
+  out, inner_state = _no_update(finish, *window)
+  return out, inner_state, jnp.asarray(False)
+
+
+def advance(
+  cfg: Config,
+  state: AccumulateState,
+  sums: Any,
+  total: jax.Array,
+  dropped: jax.Array,
+  inner_state: Any,
+  emitting: Any,
+  applied: Any,
+) -> AccumulateState:
+  """The state after this micro-step (`emitting`, `applied`: bools or boolean scalars)."""
+  axis = cfg.axis_name
+  skipped = _this_device(state.num_skipped, axis) + jnp.asarray(dropped).astype(jnp.int32)
+  return AccumulateState(
+    mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
+    gradient_step=jnp.where(
+      applied, optax.safe_increment(state.gradient_step), state.gradient_step
+    ).astype(jnp.int32),
+    acc_grads=None if cfg.unaccumulated else _per_device(sums, axis),
+    acc_weight=_per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total, axis),
+    num_skipped=_per_device(skipped, axis),
+    inner_state=inner_state,
+    updated=jnp.asarray(applied, jnp.bool_),
+  )
+
+
+def init(cfg: Config, params: Any) -> AccumulateState:
+  """The initial state: an empty window (no accumulator when every_k == 1)."""
+  acc = (
+    None if cfg.unaccumulated else _per_device(_core.zeros(params, cfg.accum_dtype), cfg.axis_name)
+  )
+  return AccumulateState(
+    mini_step=jnp.zeros((), jnp.int32),
+    gradient_step=jnp.zeros((), jnp.int32),
+    acc_grads=acc,
+    acc_weight=_per_device(jnp.zeros((), jnp.float32), cfg.axis_name),
+    num_skipped=_per_device(jnp.zeros((), jnp.int32), cfg.axis_name),
+    inner_state=cfg.inner.init(params),
+    updated=jnp.zeros((), jnp.bool_),
+  )
+
+
+def update(
+  cfg: Config,
+  updates: Any,
+  state: AccumulateState,
+  params: Any = None,
+  *,
+  weight: Any = None,
+  force_emit: Any = False,
+  emit: bool | None = None,
+  **extra_args: Any,
+) -> tuple[Any, AccumulateState]:
+  """`accumulate`'s update: the optax protocol, read top-down (`updates` are gradients)."""
+  grads = updates
+  weight = check_update(cfg, grads, state, weight, force_emit, emit)
+  sums, total, dropped = add(cfg, grads, state, weight)
+  emit = True if cfg.unaccumulated else emit
+  finish = updates_finish(zero_updates(cfg, grads, state.inner_state, params, extra_args, emit))
+  window = Window(sums, total, state.inner_state, params, extra_args)
+  close = functools.partial(close_window, cfg, grads, finish, can_be_empty(cfg, weight))
+  if emit is None:
+    k = window_length(cfg.every_k, state.gradient_step)
+    emitting = (state.mini_step + 1 >= k) | jnp.asarray(force_emit, jnp.bool_)
+    updates, inner_state, applied = lax.cond(
+      emitting, close, functools.partial(keep_open, finish), window
+    )
+  else:
+    emitting = emit
+    updates, inner_state, applied = close(window) if emit else keep_open(finish, window)
+  return updates, advance(cfg, state, sums, total, dropped, inner_state, emitting, applied)
+
+
+# ----------------------------------------------------------------------------------------------
+# The transformation.
+
+
+def transformation(cfg: Config) -> optax.GradientTransformationExtraArgs:
+  """The optax transformation of a `Config`: `init` and `update` above."""
+  return optax.GradientTransformationExtraArgs(
+    functools.partial(init, cfg), functools.partial(update, cfg)
+  )
+
+
 def accumulate(
   inner: optax.GradientTransformation,
   every_k: EveryK,
   *,
-  reduction: _core.Reduction = "mean",
-  accum_dtype: Any = jnp.float32,
+  reduction: Reduction = "mean",
+  accum_dtype: DType | None = jnp.float32,
   skip_nonfinite: bool = True,
-  axis_name: str | tuple[str, ...] | None = None,
+  axis_name: AxisName | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -162,180 +447,6 @@ def accumulate(
   >>> u  # -(1*1 + 3*4) / (1 + 3)
   Array([-3.25, -3.25], dtype=float32)
   """
-  every_k = _check_every_k(every_k)
-  reduction = _check_reduction(reduction)
-  if accum_dtype is not None:
-    accum_dtype = jnp.dtype(accum_dtype)
-  inner = optax.with_extra_args_support(inner)
-  single = isinstance(every_k, int) and every_k == 1  # no accumulator at all
-
-  def window_length(gradient_step):
-    if isinstance(every_k, int):
-      return jnp.asarray(every_k, jnp.int32)
-    k = jnp.asarray(every_k(gradient_step))
-    if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
-      raise TypeError(
-        f"every_k(gradient_step) must return an integer scalar, got {k.dtype}{list(k.shape)}."
-      )
-    return jnp.maximum(k.astype(jnp.int32), 1)
-
-  def per_device(x):
-    # With an axis name each device holds its own partial sums: a leading axis of length 1
-    # makes them a stacked (num_devices, ...) array outside the map (see `state_partition_specs`).
-    if axis_name is None:
-      return x
-    return jax.tree.map(lambda a: a[None], _core.to_varying(x, axis_name))
-
-  def init_fn(params):
-    acc = None if single else per_device(_core.zeros(params, accum_dtype))
-    return AccumulateState(
-      mini_step=jnp.zeros((), jnp.int32),
-      gradient_step=jnp.zeros((), jnp.int32),
-      acc_grads=acc,
-      acc_weight=per_device(jnp.zeros((), jnp.float32)),
-      num_skipped=per_device(jnp.zeros((), jnp.int32)),
-      inner_state=inner.init(params),
-      updated=jnp.zeros((), jnp.bool_),
-    )
-
-  def update_fn(
-    updates,
-    state: AccumulateState,
-    params=None,
-    *,
-    weight=None,
-    force_emit=False,
-    emit: bool | None = None,
-    _apply_to_params: bool = False,
-    **extra_args,
-  ):
-    grads = updates
-    where = "accumulate.update"
-    _core.check_axis(axis_name, where)
-    _check_tree(grads, state, lead=0 if axis_name is None else 1)
-    weight = _core.check_weight(weight, where)
-    if emit is not None and not isinstance(emit, bool):
-      raise TypeError(f"{where}: emit must be None or a Python bool, got {emit!r}.")
-    if emit is False and force_emit is True:
-      raise ValueError(f"{where}: emit=False contradicts force_emit=True.")
-    if _apply_to_params and (emit is not True or params is None):
-      raise ValueError(f"{where}: _apply_to_params needs emit=True and params.")
-    if axis_name is not None:
-      _core.warn_if_reduced(grads, weight, axis_name, where)
-      _core.check_uniform(force_emit, "force_emit", axis_name, where)
-    if single:
-      emit = True
-
-    def local(x):
-      return x if axis_name is None else jax.tree.map(lambda a: a[0], x)
-
-    window_reduction = reduction
-    if single and axis_name is None:
-      # No accumulator: the window is this one gradient, whose mean is itself (so no division:
-      # "sum"); only a drop or a zero weight (total == 0) changes anything.
-      w = jnp.ones((), jnp.float32) if weight is None else weight.astype(jnp.float32)
-      finite = _core.all_finite(grads) if skip_nonfinite else jnp.asarray(True)
-      total = jnp.where(finite, w, jnp.zeros_like(w))
-      dropped = jnp.logical_not(finite)
-      window_reduction = "sum"
-      sums = grads
-      if weight is not None and reduction == "sum":
-        sums = jax.tree.map(lambda g: g * w.astype(g.dtype), grads)
-    elif single:
-      # Other devices will see this gradient through the psum: mask and weigh it like any
-      # window (XLA folds the zero it starts from).
-      sums, total, dropped = _core.add(
-        _core.zeros(grads, accum_dtype),
-        jnp.zeros((), jnp.float32),
-        grads,
-        weight,
-        skip_nonfinite=skip_nonfinite,
-      )
-    else:
-      # The accumulator is reset lazily: a window's first micro-step ignores what the state
-      # holds (the sums of the window closed last), so the emitting step never rewrites it.
-      sums, total, dropped = _core.add(
-        local(state.acc_grads),
-        local(state.acc_weight),
-        grads,
-        weight,
-        skip_nonfinite=skip_nonfinite,
-        restart=state.mini_step == 0,
-      )
-    num_skipped = local(state.num_skipped) + dropped.astype(jnp.int32)
-
-    # The zero updates of a non-emitting step: exactly the inner optimizer's output types.
-    try:
-      out_types = jax.eval_shape(
-        lambda g, s, p: inner.update(g, s, p, **extra_args)[0], grads, state.inner_state, params
-      )
-    except TypeError:
-      if emit is not False:
-        raise
-      # emit=False never runs the inner optimizer, so a caller may leave out arguments only the
-      # emitting step needs (e.g. `value=` for reduce_on_plateau); updates then take the
-      # gradients' structure and dtypes.
-      out_types = jax.eval_shape(lambda g: g, grads)
-
-    def apply(sums, total, inner_state, params, extra_args):
-      g = _core.normalise(sums, total, grads, window_reduction)
-      new_updates, new_inner = inner.update(g, inner_state, params, **extra_args)
-      # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and
-      # f32 grads); the state's dtypes are fixed by init so that it stays a valid carry.
-      new_inner = optax.tree.cast_like(new_inner, inner_state)
-      if _apply_to_params:
-        # TrainStep's emitting program: applying inside the branch lets XLA fuse the inner
-        # update into the apply, instead of materialising `updates` as the branch's output.
-        return optax.apply_updates(params, new_updates), new_inner
-      return new_updates, new_inner
-
-    def skip(sums, total, inner_state, params, extra_args):
-      del sums, total, extra_args
-      if _apply_to_params:
-        return params, inner_state
-      zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), out_types)
-      return zeros, inner_state
-
-    def close(sums, total, inner_state, params, extra_args):
-      """The emitting step: reduce across devices, then apply unless the window is empty."""
-      sums, total = _core.reduce_window(sums, total, grads, axis_name, window_reduction)
-      ok = total > 0
-      if single and weight is None and not skip_nonfinite:
-        # Nothing can empty this window: the inner optimizer itself, with no conditional.
-        return *apply(sums, total, inner_state, params, extra_args), ok
-      new_updates, new_inner = lax.cond(
-        ok, apply, skip, sums, total, inner_state, params, extra_args
-      )
-      return new_updates, new_inner, ok
-
-    def stay_open(sums, total, inner_state, params, extra_args):
-      """A non-emitting step: zero updates, the inner optimizer untouched."""
-      new_updates, new_inner = skip(sums, total, inner_state, params, extra_args)
-      return new_updates, new_inner, jnp.asarray(False)
-
-    operands = (sums, total, state.inner_state, params, extra_args)
-    k = window_length(state.gradient_step)
-    if emit is True:
-      new_updates, new_inner, applied = close(*operands)
-      emitting = jnp.asarray(True)
-    elif emit is False:
-      new_updates, new_inner, applied = stay_open(*operands)
-      emitting = jnp.asarray(False)
-    else:
-      emitting = jnp.logical_or(state.mini_step + 1 >= k, jnp.asarray(force_emit, jnp.bool_))
-      new_updates, new_inner, applied = lax.cond(emitting, close, stay_open, *operands)
-
-    new_state = AccumulateState(
-      mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
-      gradient_step=jnp.where(
-        applied, optax.safe_increment(state.gradient_step), state.gradient_step
-      ).astype(jnp.int32),
-      acc_grads=None if single else per_device(sums),
-      acc_weight=per_device(jnp.zeros((), jnp.float32) if single else total),
-      num_skipped=per_device(num_skipped),
-      inner_state=new_inner,
-      updated=applied,
-    )
-    return new_updates, new_state
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return transformation(
+    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name)
+  )

@@ -17,22 +17,16 @@ Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
 from __future__ import annotations
 
 import functools
-import operator
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _core
-
-OutReduction = Literal["mean", "sum", "concat", "last"]
-OUT_REDUCTIONS = ("mean", "sum", "concat", "last")
-Split = Literal["strided", "contiguous"]
-SPLITS = ("strided", "contiguous")
-ArgNums = int | Sequence[int]
+from optax_accum import _batch, _checks, _collectives, _core
+from optax_accum._typing import OUT_REDUCTIONS, SPLITS, ArgNums, AxisName, DType, Split
 
 _HINTS = {
   "avg": "mean",
@@ -57,31 +51,6 @@ STATE_OUT_MISSING = (
 # Argument checks (factory time).
 
 
-def _check_k(k: Any) -> int:
-  if isinstance(k, bool) or not isinstance(k, int | np.integer):
-    raise TypeError(
-      f"microbatch: num_microbatches must be a positive int, got {k!r} of type {type(k).__name__}."
-    )
-  if k < 1:
-    raise ValueError(f"microbatch: num_microbatches must be a positive int, got {k}.")
-  return int(k)
-
-
-def _check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
-  items = (argnums,) if isinstance(argnums, int | np.integer) else argnums
-  try:
-    items = tuple(items)
-  except TypeError:
-    items = (argnums,)
-  bad = [a for a in items if isinstance(a, bool) or not isinstance(a, int | np.integer)]
-  if bad:
-    raise TypeError(f"microbatch: {name} must be an int or a sequence of ints, got {argnums!r}.")
-  items = tuple(operator.index(a) for a in items)
-  if len(set(items)) != len(items):
-    raise ValueError(f"microbatch: {name} has repeated positions: {argnums!r}.")
-  return items
-
-
 def _check_reduction(reduction: Any) -> Any:
   paths = jax.tree.leaves_with_path(reduction)
   bad = [(p, r) for p, r in paths if not (isinstance(r, str) and r in OUT_REDUCTIONS)]
@@ -103,88 +72,6 @@ def _check_reduction(reduction: Any) -> Any:
 # Trace-time checks and helpers.
 
 
-def _resolve(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
-  out = []
-  for a in argnums:
-    if not -nargs <= a < nargs:
-      raise ValueError(
-        f"microbatch: {name} contains {a}, but the function was called with {nargs} positional "
-        f"argument{'s' if nargs != 1 else ''} (valid positions: 0..{nargs - 1}, or negative)."
-      )
-    out.append(a % nargs)
-  return tuple(out)
-
-
-def _batch_size(args: Sequence[Any], batch: tuple[int, ...], k: int) -> int:
-  """The common leading size of every leaf of the batch arguments; checks it divides by k."""
-  sizes = []  # (description, leading size or None)
-  for i in batch:
-    leaves = jax.tree.leaves_with_path(args[i])
-    if not leaves:
-      raise ValueError(f"microbatch: batch argument {i} holds no arrays (got {args[i]!r}).")
-    for path, x in leaves:
-      shape = jnp.shape(x)
-      sizes.append((f"argument {i}{jax.tree_util.keystr(path)}", shape[0] if shape else None))
-  scalars = [d for d, s in sizes if s is None]
-  if scalars:
-    raise ValueError(
-      "microbatch: every leaf of a batch argument needs a leading batch axis; these are "
-      "scalars: " + ", ".join(scalars) + ". Maybe they belong in a non-batch argument "
-      "(see batch_argnums)."
-    )
-  distinct = sorted({s for _, s in sizes})
-  if len(distinct) > 1:
-    listing = "\n".join(f"  {d}: {s}" for d, s in sizes)
-    raise ValueError(
-      f"microbatch: the batch arguments disagree on the batch size (leading axis):\n{listing}"
-    )
-  size = distinct[0]
-  if size % k:
-    where = sizes[0][0]
-    raise ValueError(
-      f"microbatch: batch {where} has leading size {size}, which is not divisible by "
-      f"num_microbatches={k}. Choose k among the divisors of {size}, or pad the batch (and give "
-      "padding zero weight with weight_fn)."
-    )
-  return size
-
-
-def _check_keys(args: Sequence[Any], rngs: tuple[int, ...]) -> None:
-  for i in rngs:
-    for path, x in jax.tree.leaves_with_path(args[i]):
-      dtype, shape = jnp.result_type(x), jnp.shape(x)
-      typed = jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ()
-      raw = dtype == jnp.uint32 and len(shape) == 1
-      if not (typed or raw):
-        raise TypeError(
-          f"microbatch: rng_argnums names argument {i}, but {jax.tree_util.keystr(path) or 'it'}"
-          f" is not a single PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)): got "
-          f"{dtype}{list(shape)}."
-        )
-
-
-def _like(tree: Any, like: Any) -> Any:
-  """Casts `tree` to the device-variance of `like` (a loop carry must keep its type)."""
-
-  def cast(x, t):
-    missing = tuple(sorted(_core.vma(t) - _core.vma(x)))
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-  return jax.tree.map(cast, tree, like)
-
-
-def _vary(tree: Any, axis_name) -> Any:
-  """Makes the JAX-array leaves of `tree` device-varying (static Python leaves stay as they are)."""
-  if axis_name is None:
-    return tree
-  leaves, treedef = jax.tree.flatten(tree)
-  idx = [j for j, x in enumerate(leaves) if isinstance(x, jax.Array)]
-  varied = _core.to_varying([leaves[j] for j in idx], axis_name)
-  for j, x in zip(idx, varied, strict=True):
-    leaves[j] = x
-  return jax.tree.unflatten(treedef, leaves)
-
-
 def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
   """One reduction string per leaf of `out` (reduction is a prefix of out's structure)."""
   if isinstance(reduction, str):
@@ -202,30 +89,6 @@ def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
   return jax.tree.leaves(full)
 
 
-def _split(x: jax.Array, k: int, split: Split) -> jax.Array:
-  """``(B, ...) -> (b, k, ...)`` (strided) or ``(k, b, ...)`` (contiguous): free reshapes.
-
-  No transpose: micro-batch ``i`` is read inside the loop with `_take` (a strided read for
-  "strided"), so the full batch is never copied into another layout.
-  """
-  b = x.shape[0] // k
-  if split == "strided":
-    return x.reshape(b, k, *x.shape[1:])
-  return x.reshape(k, b, *x.shape[1:])
-
-
-def _take(x: jax.Array, i: jax.Array, split: Split) -> jax.Array:
-  """Micro-batch ``i`` of a `_split` array: rows ``i, i+k, …`` or ``i·b, …, (i+1)·b - 1``."""
-  return lax.dynamic_index_in_dim(x, i, axis=1 if split == "strided" else 0, keepdims=False)
-
-
-def _unsplit(y: jax.Array, split: Split) -> jax.Array:
-  """The inverse of `_split`: ``(k, b, ...) -> (k·b, ...)`` in the original example order."""
-  if split == "strided":
-    y = y.swapaxes(0, 1)
-  return y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
-
-
 # ----------------------------------------------------------------------------------------------
 # The transform.
 
@@ -240,9 +103,9 @@ def microbatch(
   rng_argnums: ArgNums = (),
   state_argnums: ArgNums = (),
   state_out: Callable[[Any], Any] | None = None,
-  accum_dtype: Any = jnp.float32,
+  accum_dtype: DType | None = jnp.float32,
   split: Split = "strided",
-  axis_name: str | tuple[str, ...] | None = None,
+  axis_name: AxisName | None = None,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -320,13 +183,13 @@ def microbatch(
   """
   if not callable(fun):
     raise TypeError(f"microbatch: fun must be callable, got {fun!r}.")
-  k = _check_k(num_microbatches)
-  batch_argnums = _check_argnums("batch_argnums", batch_argnums)
+  k = _checks.positive_int(num_microbatches, "num_microbatches", "microbatch")
+  batch_argnums = _batch.check_argnums("batch_argnums", batch_argnums)
   if not batch_argnums:
     raise ValueError("microbatch: batch_argnums must name at least one argument, got ().")
-  rng_argnums = _check_argnums("rng_argnums", rng_argnums)
+  rng_argnums = _batch.check_argnums("rng_argnums", rng_argnums)
   single_state = isinstance(state_argnums, int | np.integer)
-  state_argnums = _check_argnums("state_argnums", state_argnums)
+  state_argnums = _batch.check_argnums("state_argnums", state_argnums)
   reduction = _check_reduction(reduction)
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
@@ -339,25 +202,24 @@ def microbatch(
       "microbatch: state_out is given but state_argnums is empty; name the "
       "state arguments with state_argnums."
     )
-  if accum_dtype is not None:
-    accum_dtype = jnp.dtype(accum_dtype)
+  accum_dtype = _checks.accum_dtype(accum_dtype)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
     nargs = len(args)
-    batch = _resolve("batch_argnums", batch_argnums, nargs)
-    rngs = _resolve("rng_argnums", rng_argnums, nargs)
-    states = _resolve("state_argnums", state_argnums, nargs)
+    batch = _batch.resolve("batch_argnums", batch_argnums, nargs)
+    rngs = _batch.resolve("rng_argnums", rng_argnums, nargs)
+    states = _batch.resolve("state_argnums", state_argnums, nargs)
     for name, other in (("rng_argnums", rngs), ("state_argnums", states)):
       both = sorted(set(batch) & set(other))
       if both:
         raise ValueError(f"microbatch: argument {both[0]} is in both batch_argnums and {name}.")
     if set(rngs) & set(states):
       raise ValueError("microbatch: an argument is in both rng_argnums and state_argnums.")
-    size = _batch_size(args, batch, k)
-    _check_keys(args, rngs)
+    size = _batch.batch_size(args, batch, k)
+    _batch.check_keys(args, rngs)
     if axis_name is not None:
-      _core.check_axis(axis_name, "microbatch")
+      _collectives.check_bound(axis_name, "microbatch")
 
     if k == 1 and axis_name is None:
       out = fun(*args, **kwargs)
@@ -365,8 +227,11 @@ def microbatch(
       return out
 
     # Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
-    args = [a if i in batch or i in rngs else _vary(a, axis_name) for i, a in enumerate(args)]
-    kwargs = _vary(kwargs, axis_name)
+    args = [
+      a if i in batch or i in rngs else _collectives.to_varying(a, axis_name)
+      for i, a in enumerate(args)
+    ]
+    kwargs = _collectives.to_varying(kwargs, axis_name)
     return _run(args, kwargs, batch, rngs, states, size)
 
   def _call(args, kwargs, batch, rngs, states, i, mb, state):
@@ -389,7 +254,7 @@ def microbatch(
     out = fun(*a, **kwargs)
     w = None
     if weight_fn is not None:
-      w = _core.check_weight(weight_fn(*a, **kwargs), "microbatch: weight_fn")
+      w = _checks.weight(weight_fn(*a, **kwargs), "microbatch: weight_fn")
     new_state = ()
     if states:
       new_state = state_out(out)
@@ -417,10 +282,12 @@ def microbatch(
 
   def _run(args, kwargs, batch, rngs, states, size):
     b = size // k
-    parts = [jax.tree.map(lambda x: _split(jnp.asarray(x), k, split), args[j]) for j in batch]
+    parts = [
+      jax.tree.map(lambda x: _batch.split_batch(jnp.asarray(x), k, split), args[j]) for j in batch
+    ]
 
     def micro(parts, i):
-      return [jax.tree.map(lambda x: _take(x, i, split), p) for p in parts]
+      return [jax.tree.map(lambda x: _batch.take(x, i, split), p) for p in parts]
 
     state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in states)
 
@@ -476,11 +343,14 @@ def microbatch(
     means_t, sums_t, last_t = (pick(out_leaves, r) for r in ("mean", "sum", "last"))
     carry0 = (
       # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
-      _like(_like(_core.zeros(means_t, accum_dtype), means_t), [total_t] * len(means_t)),
-      _like(_core.zeros(sums_t, accum_dtype), sums_t),
-      _like(jnp.zeros((), jnp.float32), total_t),
-      _like([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
-      _like(state0, state_t),
+      _collectives.match_variance(
+        _collectives.match_variance(_core.zeros(means_t, accum_dtype), means_t),
+        [total_t] * len(means_t),
+      ),
+      _collectives.match_variance(_core.zeros(sums_t, accum_dtype), sums_t),
+      _collectives.match_variance(jnp.zeros((), jnp.float32), total_t),
+      _collectives.match_variance([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
+      _collectives.match_variance(state0, state_t),
     )
 
     def body(carry, i):
@@ -492,7 +362,7 @@ def microbatch(
       sums, _, _ = _core.add(sums, total, pick(leaves, "sum"), None, skip_nonfinite=False)
       last = pick(leaves, "last")
       new_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new_state, state)
-      new = _like((means, sums, total, last, new_state), carry[0])
+      new = _collectives.match_variance((means, sums, total, last, new_state), carry[0])
       return (new, parts), pick(leaves, "concat")
 
     # The batch rides in the carry unchanged (a loop-invariant operand XLA does not copy).
@@ -505,13 +375,13 @@ def microbatch(
     means, sums, total, last, state = carry
 
     # Once, after the loop: the sums and the weight in one all-reduce.
-    means, sums, total = _core.reduce((means, sums, total), axis_name)
+    means, sums, total = _collectives.reduce((means, sums, total), axis_name)
     results = [None] * len(out_leaves)
     for r, values in (
       ("mean", _core.normalise(means, total, means_t, "mean")),
       ("sum", _core.normalise(sums, total, sums_t, "sum")),
       ("last", last),
-      ("concat", [_unsplit(y, split) for y in ys]),
+      ("concat", [_batch.unsplit(y, split) for y in ys]),
     ):
       for n, v in zip(idx[r], values, strict=True):
         results[n] = v

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_accum import _microbatch
+from optax_accum import _batch, _hlo, _microbatch
 
 NO_LIMIT = (
   "plan_microbatches: memory_limit=None asks the device for its memory limit, but {device} "
@@ -38,22 +38,6 @@ class MicrobatchPlan(NamedTuple):
       f"MicrobatchPlan: num_microbatches={self.num_microbatches} "
       f"(limit {self.memory_limit / mib:.1f} MiB)\n" + "\n".join(rows)
     )
-
-
-def compiled_peak_bytes(compiled: Any) -> int:
-  """The device memory a compiled program needs: ``argument + output + temp - alias`` bytes.
-
-  Arguments and outputs are live for the whole call; temporaries are XLA's scratch buffers;
-  output buffers that alias (donated) arguments are counted once, hence ``- alias``.
-  """
-  m = compiled.memory_analysis()
-  if m is None:
-    raise RuntimeError(
-      "plan_microbatches: this backend's compiled programs report no memory analysis."
-    )
-  return int(
-    m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-  )
 
 
 def _device_limit() -> int:
@@ -95,7 +79,7 @@ def plan_microbatches(
   The candidates are the divisors of the batch size ``B``. Each candidate is compiled with
   ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args).compile()`` — never run —
   and its peak is ``argument + output + temp - alias`` bytes from the compiled program's
-  ``memory_analysis()`` (see `compiled_peak_bytes`). The search gallops up the divisors (1st,
+  ``memory_analysis()`` (`optax_accum._hlo.peak_bytes`). The search gallops up the divisors (1st,
   2nd, 4th, 8th, … smallest) until one fits, then bisects between the last that did not fit
   and the first that did, so it compiles ``O(log #divisors)`` programs, and usually one or two.
   It assumes, as XLA's estimates show in practice, that more micro-batches never need more
@@ -132,9 +116,9 @@ def plan_microbatches(
   if "num_microbatches" in microbatch_kwargs:
     raise TypeError("plan_microbatches: num_microbatches is what it chooses; do not pass it.")
   limit = _check_limit(memory_limit)
-  batch = _microbatch._check_argnums("batch_argnums", microbatch_kwargs.get("batch_argnums", 1))
-  batch = _microbatch._resolve("batch_argnums", batch, len(args))
-  size = _microbatch._batch_size(args, batch, 1)
+  batch = _batch.check_argnums("batch_argnums", microbatch_kwargs.get("batch_argnums", 1))
+  batch = _batch.resolve("batch_argnums", batch, len(args))
+  size = _batch.batch_size(args, batch, 1)
   candidates = _divisors(size)
   peaks: dict[int, int] = {}
 
@@ -142,7 +126,7 @@ def plan_microbatches(
     k = candidates[n]
     if k not in peaks:
       step = _microbatch.microbatch(fun, k, **microbatch_kwargs)
-      peaks[k] = compiled_peak_bytes(jax.jit(step).lower(*args).compile())
+      peaks[k] = _hlo.peak_bytes(jax.jit(step).lower(*args).compile())
     return peaks[k] <= limit
 
   # Gallop: indices 0, 1, 3, 7, … (clipped to the last) until one fits.

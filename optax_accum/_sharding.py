@@ -1,4 +1,4 @@
-"""Sharding helpers: partition specs for optimizer states, collectives in compiled programs.
+"""`state_partition_specs`: where every leaf of an optimizer state lives across devices.
 
 With ``axis_name`` set, `accumulate` keeps per-device partial sums: inside the mapped function
 each device's ``acc_grads`` leaves, ``acc_weight`` and ``num_skipped`` carry a leading axis of
@@ -7,22 +7,18 @@ the axis. Everything else (step counters, the inner optimizer's state) is the sa
 device. `state_partition_specs` writes this down for any optimizer state that holds an
 `AccumulateState` (an `optax.chain`, `optax.inject_hyperparams`, ...), so the state can be the
 output of one jitted `shard_map` and the input of the next.
-
-`count_collectives` reads a compiled program's HLO text, so tests and benchmarks can check that
-an update all-reduces once and never inside a loop body.
 """
 
 from __future__ import annotations
 
-import collections
-import re
 from typing import Any
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_accum import _core
+from optax_accum import _collectives
 from optax_accum._accumulate import AccumulateState
+from optax_accum._typing import AxisName
 
 
 @jax.tree_util.register_pytree_node_class
@@ -43,7 +39,7 @@ def _is_spec(x) -> bool:
 
 
 def _axes(axis_name) -> tuple[str, ...]:
-  return () if axis_name is None else _core.axis_names(axis_name)
+  return () if axis_name is None else _collectives.axis_names(axis_name)
 
 
 _NEEDS_AXIS = (
@@ -74,7 +70,7 @@ def _structure(tx, axes: tuple[str, ...]):
     raise
 
 
-def state_partition_specs(tx: Any, params_specs: Any, axis_name: str | tuple[str, ...] | None):
+def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None) -> Any:
   """Partition specs (or shardings) for every leaf of ``tx.init(params)``.
 
   Use them as the ``out_specs`` of the `shard_map` that calls ``tx.init`` and as the
@@ -179,148 +175,3 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: str | tuple[str
 
 def _is_node(x) -> bool:
   return isinstance(x, (_Params, AccumulateState))
-
-
-# ----------------------------------------------------------------------------------------------
-# Collectives in compiled programs.
-
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_CALL = re.compile(
-  r"\b(?:to_apply|body|condition|calls|true_computation|false_computation)=%?([\w.\-]+)"
-)
-_CALL_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_COLLECTIVES = (
-  "all-reduce",
-  "all-gather",
-  "reduce-scatter",
-  "all-to-all",
-  "collective-permute",
-)
-
-
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-  """The instruction lines of each computation in an HLO module's text, and the entry's name."""
-  comps: dict[str, list[str]] = {}
-  entry, current = None, None
-  for line in hlo_text.splitlines():
-    stripped = line.strip()
-    if current is None:
-      m = _COMPUTATION.match(stripped)
-      if m and "=" not in stripped.split("(")[0]:
-        current = m.group(1)
-        comps[current] = []
-        if stripped.startswith("ENTRY"):
-          entry = current
-    elif stripped == "}":
-      current = None
-    else:
-      comps[current].append(stripped)
-  return comps, entry
-
-
-def _callees(line: str) -> list[str]:
-  names = _CALL.findall(line)
-  for group in _CALL_LIST.findall(line):
-    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
-  return names
-
-
-def _opcode(line: str) -> str | None:
-  # "%name = <type> opcode(operands), attrs"; the type may be a tuple "(f32[2], s32[])".
-  m = re.match(r"^(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*)$", line)
-  if not m:
-    return None
-  rhs = m.group(1)
-  depth, i = 0, 0
-  while i < len(rhs):  # skip the (possibly nested) type
-    c = rhs[i]
-    depth += c in "([{"
-    depth -= c in ")]}"
-    if c == " " and depth == 0:
-      break
-    i += 1
-  op = re.match(r"\s*([\w\-]+)\(", rhs[i:])
-  return op.group(1) if op else None
-
-
-def count_collectives(hlo_text: str, kind: str = "all-reduce", *, where: str = "all") -> int:
-  """Counts the collective ops of one kind in a compiled program's HLO text.
-
-  Asynchronous pairs (``all-reduce-start``/``-done``) count once.
-
-  Args:
-    hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
-    kind: the HLO opcode, e.g. ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``.
-    where: ``"all"`` (every computation the entry computation reaches), ``"loop"`` (only those
-      inside a ``while`` body or condition, or what they call), or ``"entry"``.
-
-  Returns:
-    The number of such ops.
-
-  Raises:
-    ValueError: for an unknown `kind` or `where`.
-
-  >>> import jax, jax.numpy as jnp, optax_accum
-  >>> text = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text()
-  >>> optax_accum.count_collectives(text)
-  0
-  """
-  if kind not in _COLLECTIVES:
-    raise ValueError(f"count_collectives: kind must be one of {_COLLECTIVES}, got {kind!r}.")
-  if where not in ("all", "loop", "entry"):
-    raise ValueError(f"count_collectives: where must be 'all', 'loop' or 'entry', got {where!r}.")
-  comps, entry = _computations(hlo_text)
-  counts = {
-    name: sum(_opcode(line) in (kind, kind + "-start") for line in lines)
-    for name, lines in comps.items()
-  }
-  if entry is None:
-    return sum(counts.values())
-  if where == "entry":
-    return counts[entry]
-  roots = [entry]
-  if where == "loop":
-    roots = [
-      c
-      for lines in comps.values()
-      for line in lines
-      if _opcode(line) == "while"
-      for c in _callees(line)
-    ]
-  return sum(counts.get(c, 0) for c in _reachable(comps, roots))
-
-
-def _reachable(comps: dict[str, list[str]], roots: list[str]) -> set[str]:
-  seen: set[str] = set()
-  todo = collections.deque(roots)
-  while todo:
-    c = todo.popleft()
-    if c in seen or c not in comps:
-      continue
-    seen.add(c)
-    for line in comps[c]:
-      todo.extend(_callees(line))
-  return seen
-
-
-def conditional_branches(hlo_text: str, kind: str = "all-reduce") -> list[list[int]]:
-  """For each ``conditional`` op: the count of `kind` ops reachable from each of its branches.
-
-  Branches are in HLO order: for a boolean ``lax.cond(pred, true_fun, false_fun)`` JAX emits
-  ``branch_computations={false_fun, true_fun}``.
-  """
-  comps, _ = _computations(hlo_text)
-  out = []
-  for lines in comps.values():
-    for line in lines:
-      if _opcode(line) != "conditional":
-        continue
-      out.append(
-        [
-          sum(
-            _opcode(x) in (kind, kind + "-start") for c in _reachable(comps, [b]) for x in comps[c]
-          )
-          for b in _callees(line)
-        ]
-      )
-  return out

@@ -5,10 +5,10 @@ for a device conditional (`lax.cond`), which on CPU makes the zero updates and t
 application real memory passes and on GPU makes the host wait for the predicate
 (openxla/xla `xla/backends/gpu/runtime/conditional_thunk.cc`). `TrainStep` compiles
 
-* the accumulating program: ``grad → acc += w·g``; its updates are constant zeros, so
-  ``params + 0`` folds away and the parameters and inner state pass through donated,
-  i.e. untouched in place;
-* the emitting program: ``grad → acc += w·g → inner update → apply``;
+* the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces); the
+  parameters and the inner state pass through donated, i.e. untouched in place, and no update
+  is computed at all;
+* the emitting program: ``grad → add → close_window(finish = apply the updates) → advance``;
 
 and keeps the window position on the host, so dispatch never waits for the device.
 """
@@ -19,9 +19,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from optax_accum import _accumulate
+from optax_accum import _accumulate, _checks
+from optax_accum._typing import DType, Reduction
 
 
 class TrainStep:
@@ -38,7 +40,9 @@ class TrainStep:
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
-    **accumulate_kwargs: `reduction`, `accum_dtype`, `skip_nonfinite` (see `accumulate`).
+    reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum".
+    accum_dtype: as for `accumulate`: the accumulator's dtype; None means the gradients'.
+    skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients.
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
@@ -46,8 +50,8 @@ class TrainStep:
   checkpoints are interchangeable.
 
   Raises:
-    TypeError, ValueError: for a bad `every_k` (which must be a static int here) or
-      `accumulate_kwargs`.
+    TypeError, ValueError: for a bad `every_k` (which must be a static int here), `reduction`
+      or `accum_dtype`.
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda p, x: jnp.mean((x * p) ** 2)
@@ -68,21 +72,21 @@ class TrainStep:
     *,
     has_aux: bool = False,
     donate: bool = True,
-    **accumulate_kwargs: Any,
+    reduction: Reduction = "mean",
+    accum_dtype: DType | None = jnp.float32,
+    skip_nonfinite: bool = True,
   ):
-    if callable(every_k) or isinstance(every_k, bool) or not isinstance(every_k, int):
+    if callable(every_k):
       raise TypeError(
         "TrainStep: every_k must be a positive int known on the host, got "
         f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
       )
-    if "axis_name" in accumulate_kwargs:
-      raise TypeError(
-        "TrainStep: axis_name is not supported; inside shard_map use `accumulate(...)` with "
-        "`tx.update(..., emit=...)` in your own mapped step."
-      )
-    self.tx = _accumulate.accumulate(inner, every_k, **accumulate_kwargs)
+    every_k = _checks.positive_int(every_k, "every_k", "TrainStep")
+    self._cfg = _accumulate.make_config(
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=None
+    )
     self.every_k = every_k
-    self._has_aux = has_aux
+    self.tx = _accumulate.transformation(self._cfg)
     self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     donate_argnums = (0, 1) if donate else ()
     self._programs = {
@@ -97,17 +101,19 @@ class TrainStep:
     self._position, self._last_state = 0, None
     return self.tx.init(params)
 
-  def _step(self, params, state, args, weight, *, emit):
+  def _step(self, params, state, args, weight, *, emit: bool):
+    cfg = self._cfg
     value, grads = self._grad(params, *args)
+    weight = _accumulate.check_update(cfg, grads, state, weight, force_emit=False, emit=emit)
+    sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
+    inner_state, applied = state.inner_state, False
     if emit:
-      # The emitting program returns the new parameters directly (applied inside the window's
-      # conditional); the accumulating one's updates are constant zeros, so it returns params
-      # untouched and XLA passes the donated buffers through.
-      params, state = self.tx.update(
-        grads, state, params, weight=weight, emit=True, _apply_to_params=True
+      window = _accumulate.Window(sums, total, state.inner_state, params, {})
+      can_be_empty = _accumulate.can_be_empty(cfg, weight)
+      params, inner_state, applied = _accumulate.close_window(
+        cfg, grads, _accumulate.APPLY, can_be_empty, window
       )
-    else:
-      _, state = self.tx.update(grads, state, params, weight=weight, emit=False)
+    state = _accumulate.advance(cfg, state, sums, total, dropped, inner_state, emit, applied)
     return params, state, value
 
   def __call__(

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 import optax_accum
+from optax_accum import _hlo
 
 _EXTRAS = {
   "flax": "flax",
@@ -134,12 +135,8 @@ def make_model(hidden: int):
 
 def _memory(compiled) -> tuple[int, int]:
   """(peak, temp) bytes of a compiled program from XLA's memory analysis (0 where unknown)."""
-  m = compiled.memory_analysis()
-  if m is None:
-    return 0, 0
-  temp = int(m.temp_size_in_bytes)
-  peak = int(m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + temp)
-  return peak, temp
+  m = _hlo.memory(compiled)
+  return m.get("peak", 0), m.get("temp", 0)
 
 
 def train(

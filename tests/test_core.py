@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from optax_accum import _core
+from optax_accum import _checks, _collectives, _core
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
@@ -238,10 +238,10 @@ def test_bf16_gradients_fp32_accumulator_error():
 
 
 def test_check_weight_accepts_scalars_and_traced():
-  assert _core.check_weight(None, "f") is None
-  assert float(_core.check_weight(3, "f")) == 3.0
-  assert float(_core.check_weight(np.float32(0.0), "f")) == 0.0
-  traced = jax.jit(lambda w: _core.check_weight(w, "f") * 2)(np.float32(1.5))
+  assert _checks.weight(None, "f") is None
+  assert float(_checks.weight(3, "f")) == 3.0
+  assert float(_checks.weight(np.float32(0.0), "f")) == 0.0
+  traced = jax.jit(lambda w: _checks.weight(w, "f") * 2)(np.float32(1.5))
   assert float(traced) == 3.0
 
 
@@ -257,17 +257,17 @@ def test_check_weight_accepts_scalars_and_traced():
 )
 def test_check_weight_rejects(weight, error, match):
   with pytest.raises(error, match=match):
-    _core.check_weight(weight, "f")
+    _checks.weight(weight, "f")
 
 
 def test_axis_helpers_without_axis_are_identities():
   tree = {"a": np.ones(2, np.float32)}
-  _core.check_axis(None, "f")
-  assert _core.reduce(tree, None) is tree
-  assert _core.reduce_window(tree, 1.0, tree, None, "mean") == (tree, 1.0)
-  assert _core.to_varying(tree, None) is tree
+  _collectives.check_bound(None, "f")
+  assert _collectives.reduce(tree, None) is tree
+  assert _collectives.reduce_window(tree, 1.0, tree, None, "mean") == (tree, 1.0)
+  assert _collectives.to_varying(tree, None) is tree
 
 
 def test_check_axis_unbound_names_the_axis():
   with pytest.raises(ValueError, match=r"f: axis_name='batch' is not bound here"):
-    _core.check_axis("batch", "f")
+    _collectives.check_bound("batch", "f")

@@ -17,7 +17,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _sharding, count_collectives, microbatch, state_partition_specs
+from optax_accum import _hlo, count_collectives, microbatch, state_partition_specs
 
 AX = "data"
 D = 8  # devices
@@ -379,7 +379,7 @@ def test_accumulate_all_reduces_once_per_update(k):
   assert count_collectives(text, "all-reduce", where="loop") == 0
   if k > 1:
     # lax.cond(emitting, close, keep): the all-reduce is in the emitting branch only.
-    branches = _sharding.conditional_branches(text, "all-reduce")
+    branches = _hlo.conditional_branches(text, "all-reduce")
     assert sorted(map(sorted, branches))[-1] == [0, 1]
     assert all(0 in b for b in branches)
   # The static programs: accumulating has no collective, emitting has the one.

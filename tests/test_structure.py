@@ -16,9 +16,6 @@ cannot make these tests pass.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -29,9 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks._harness import compile_fn, hlo_stats  # noqa: E402
+from optax_accum._hlo import compile_fn, hlo_stats
 
 
 def _mlp(sizes=(16, 32, 32, 4)):

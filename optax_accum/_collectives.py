@@ -1,0 +1,175 @@
+"""Cross-device machinery: axis names, device variance, and the once-per-update reduction.
+
+Inside `jax.shard_map` (with ``check_vma``, the default) every value's type says over which
+mapped axes it is *device-varying*. Deferred reduction rests on that type: gradients taken with
+respect to device-varying parameters stay local (no collective in autodiff), the accumulator
+sums them per device, and one `psum` per update makes the sums global. Everything here is the
+identity when ``axis_name`` is None.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optax_accum._typing import AxisName, Reduction
+
+AXIS_NOT_BOUND = (
+  "axis_name={axis!r} is not bound here. `axis_name` names a mapped axis of an enclosing "
+  "`jax.shard_map` (its mesh axis) or `jax.pmap` (its `axis_name=`); call this inside the "
+  "mapped function, e.g.\n\n"
+  "    @jax.shard_map(mesh=mesh, in_specs=..., out_specs=...)\n"
+  "    def train_step(params, opt_state, batch): ...  # tx.update(...) in here\n\n"
+  "Under plain `jax.jit` with sharded arrays (no mapped axis) pass axis_name=None: XLA inserts "
+  "the reduction itself."
+)
+
+ALREADY_REDUCED = (
+  "axis_name={axis!r}: these gradients are already reduced over {axis!r} (their type carries "
+  "no varying axis), so autodiff ran an all-reduce on every micro-batch. That happens when "
+  "`jax.grad` differentiates with respect to a *replicated* parameter inside `shard_map`. "
+  "optax_accum will not reduce them again: the update uses the window's weighted mean of these "
+  "gradients as autodiff returned them (the same on every device), so it is the large-batch "
+  "one only if your loss is the global one (e.g. `jax.lax.pmean` of the device losses; the "
+  "gradient of a device-local mean loss is the SUM over devices of the local gradients), and "
+  "the point of deferring the reduction is lost. To keep gradients local until the update, "
+  "differentiate the device-local loss with respect to device-varying parameters:\n\n"
+  "    local = jax.lax.pcast(params, {axis!r}, to='varying')\n"
+  "    grads = jax.grad(loss)(local, batch)   # no collective here\n"
+  "    updates, state = tx.update(grads, state, params, weight=n_tokens)\n"
+)
+
+
+def axis_names(axis_name: AxisName) -> tuple[str, ...]:
+  """`axis_name` (one name, or a tuple of names for several mesh axes) as a tuple."""
+  return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
+
+
+def check_bound(axis_name: AxisName | None, caller: str) -> None:
+  """Raises a clear ValueError if `axis_name` is not bound by an enclosing map."""
+  if axis_name is None:
+    return
+  try:
+    lax.axis_index(axis_name)
+  except NameError as e:
+    raise ValueError(f"{caller}: " + AXIS_NOT_BOUND.format(axis=axis_name)) from e
+
+
+def vma(x: Any) -> frozenset:
+  """The mapped axes over which `x` is device-varying (empty outside shard_map or untracked)."""
+  t = jax.typeof(x)
+  v = getattr(t, "vma", None)  # the jax < 0.9 spelling
+  if v is None:
+    v = getattr(getattr(t, "manual_axis_type", None), "varying", None)
+  return frozenset(v or ())
+
+
+def tracks_variance(axis_name: AxisName) -> bool:
+  """True when the enclosing map tracks device variance (shard_map with check_vma)."""
+  return all(a in vma(lax.axis_index(axis_name)) for a in axis_names(axis_name))
+
+
+def is_varying(x: Any, axis_name: AxisName) -> bool:
+  return all(a in vma(x) for a in axis_names(axis_name))
+
+
+def _pcast(x: Any, axes: frozenset | tuple) -> Any:
+  missing = tuple(sorted(a for a in axes if a not in vma(x)))
+  return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def to_varying(tree: Any, axis_name: AxisName | None) -> Any:
+  """Marks every JAX-array leaf device-varying over `axis_name`.
+
+  A no-op where variance is not tracked; Python scalars and other static leaves stay as they
+  are (they are the same on every device by construction).
+  """
+  if axis_name is None or not tracks_variance(axis_name):
+    return tree
+  axes = axis_names(axis_name)
+  return jax.tree.map(lambda x: _pcast(x, axes) if isinstance(x, jax.Array) else x, tree)
+
+
+def match_variance(tree: Any, like: Any) -> Any:
+  """Casts each leaf of `tree` to (at least) the device-variance of its leaf in `like`.
+
+  A `lax.scan` carry must keep its type: an initial value built from constants is invariant,
+  while what the loop writes into it varies wherever the micro-batch values do.
+  """
+  return jax.tree.map(lambda x, t: _pcast(x, vma(t)), tree, like)
+
+
+def reduce(tree: Any, axis_name: AxisName | None) -> Any:
+  """Sums every leaf of `tree` over `axis_name` (one fused all-reduce); identity for None.
+
+  Prefer `reduce_window` for an accumulator: it knows what to do with values that autodiff
+  already reduced.
+  """
+  if axis_name is None:
+    return tree
+  return lax.psum(to_varying(tree, axis_name), axis_name)
+
+
+def reduce_window(
+  sums: Any, total: jax.Array, like: Any, axis_name: AxisName | None, reduction: Reduction
+) -> tuple[Any, jax.Array]:
+  """The window's global ``(sums, total)``: ONE all-reduce over `axis_name` for both.
+
+  Call it once per update, right before `_core.normalise`; identity when `axis_name` is None.
+
+  Leaves whose micro-batch values (`like`) are not device-varying, in a `shard_map` that tracks
+  variance, were already all-reduced by autodiff (see `ALREADY_REDUCED`): every device added
+  the same values with the same weights (`warn_if_reduced` rejects per-device weights), so the
+  global sums count them once per device, and so does the global weight. "mean" divides the
+  two and gets the window mean of those values back, as without `axis_name` (no double
+  reduction); "sum" divides them by the axis size. They still ride in the one all-reduce: the
+  sums are per-device (device-varying) state, and only a collective makes a device-varying
+  value invariant again.
+  """
+  if axis_name is None:
+    return sums, total
+  sums, total = reduce((sums, total), axis_name)
+  if reduction == "sum" and tracks_variance(axis_name):
+    size = 1
+    for a in axis_names(axis_name):
+      size *= lax.axis_size(a)
+
+    def undo(s, x):
+      if is_varying(x, axis_name):
+        return s
+      return s // size if jnp.issubdtype(s.dtype, jnp.integer) else s / size
+
+    sums = jax.tree.map(undo, sums, like)
+  return sums, total
+
+
+def warn_if_reduced(tree: Any, weight: Any, axis_name: AxisName | None, caller: str) -> None:
+  """Warns (or raises, when it would be wrong) about gradients autodiff already all-reduced."""
+  if axis_name is None or not tracks_variance(axis_name):
+    return
+  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  if not leaves or all(is_varying(x, axis_name) for x in leaves):
+    return
+  if weight is not None and is_varying(jnp.asarray(weight), axis_name):
+    raise ValueError(
+      f"{caller}: `weight` differs per device but the gradients were already all-reduced, so "
+      "the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=axis_name)
+    )
+  warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=axis_name), stacklevel=4)
+
+
+def check_uniform(x: Any, name: str, axis_name: AxisName | None, caller: str) -> None:
+  """Raises if `x` is device-varying: every device must take the same branch (the collective)."""
+  if axis_name is None or isinstance(x, bool | int) or not tracks_variance(axis_name):
+    return
+  if is_varying(x, axis_name):
+    raise ValueError(
+      f"{caller}: {name} differs per device (it is device-varying over {axis_name!r}), but every "
+      "device must close the window at the same step: the reduction is an all-reduce that all "
+      f"devices join. Compute {name} from replicated values, or agree on it first, e.g. "
+      f"`{name} = jax.lax.pmax(flag.astype(jnp.int32), {axis_name!r}) > 0`."
+    )

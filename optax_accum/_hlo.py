@@ -1,0 +1,323 @@
+"""Reading compiled programs: the one HLO reader of the library, its tests and benchmarks.
+
+`jax.jit(f).lower(*args).compile()` gives ``.as_text()``, the optimised HLO module, and
+``.memory_analysis()``, XLA's byte accounting. This module turns them into the facts the
+library's structure guards and benchmarks are about:
+
+* `computations` — the module split into computations of parsed `Instruction`\\ s;
+* `count_collectives`, `conditional_branches` — collectives per program, per loop body, per
+  branch of a conditional (one all-reduce per update, none inside a loop);
+* `hlo_stats` — copies, conditionals, loops, fusions and collectives, each placed by how often
+  it runs (every call, inside a loop body, inside a conditional branch);
+* `memory`, `peak_bytes` — argument, output, temp and alias bytes, and the compiled peak
+  ``argument + output + temp - alias``;
+* `compile_fn` — all of the above for one jitted function, with its compile time.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import jax
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_NAME = re.compile(r"^(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_OP = re.compile(r"\s*([\w\-]+)\((.*)$")
+_CALL = re.compile(
+  r"\b(?:to_apply|body|condition|calls|true_computation|false_computation)=%?([\w.\-]+)"
+)
+_CALL_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_SHAPE = re.compile(r"\b([a-z]+[0-9]*[a-z0-9]*)\[([0-9,]*)\]")
+_DTYPE_BYTES = {
+  "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+  "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+  "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+
+class Instruction(NamedTuple):
+  """One HLO instruction: ``%name = <shape> op(<rest>``."""
+
+  name: str
+  shape: str  # the result type, e.g. "f32[8,4]{1,0}" or "(f32[2], s32[])"
+  op: str  # the opcode, e.g. "fusion", "all-reduce-start", "while"
+  rest: str  # operands and attributes
+
+
+def parse_instruction(line: str) -> Instruction | None:
+  """Parses one instruction line; None for anything else."""
+  m = _NAME.match(line.strip())
+  if not m:
+    return None
+  name, rhs = m.groups()
+  depth, i = 0, 0
+  while i < len(rhs):  # skip the (possibly nested tuple) type up to the first top-level space
+    c = rhs[i]
+    depth += c in "([{"
+    depth -= c in ")]}"
+    if c == " " and depth == 0:
+      break
+    i += 1
+  op = _OP.match(rhs[i:])
+  return Instruction(name, rhs[:i], op.group(1), op.group(2)) if op else None
+
+
+def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | None]:
+  """The instructions of each computation in an HLO module's text, and the entry's name."""
+  comps: dict[str, list[Instruction]] = {}
+  entry, current = None, None
+  for line in hlo_text.splitlines():
+    stripped = line.strip()
+    if current is None:
+      m = _COMPUTATION.match(stripped)
+      if m and "=" not in stripped.split("(")[0]:
+        current = m.group(1)
+        comps[current] = []
+        if stripped.startswith("ENTRY"):
+          entry = current
+    elif stripped == "}":
+      current = None
+    elif (instr := parse_instruction(stripped)) is not None:
+      comps[current].append(instr)
+  return comps, entry
+
+
+def callees(instr: Instruction) -> list[str]:
+  """The computations an instruction calls (fusion bodies, loop bodies, branches, ...)."""
+  names = _CALL.findall(instr.rest)
+  for group in _CALL_LIST.findall(instr.rest):
+    names += [n.strip().lstrip("%") for n in group.split(",") if n.strip()]
+  return names
+
+
+def reachable(comps: dict[str, list[Instruction]], roots: list[str]) -> set[str]:
+  """Every computation reachable from `roots` through calls."""
+  seen: set[str] = set()
+  todo = collections.deque(roots)
+  while todo:
+    c = todo.popleft()
+    if c in seen or c not in comps:
+      continue
+    seen.add(c)
+    for instr in comps[c]:
+      todo.extend(callees(instr))
+  return seen
+
+
+def _is(instr: Instruction, kind: str) -> bool:
+  return instr.op in (kind, kind + "-start")  # an async pair (-start/-done) counts once
+
+
+def count_collectives(
+  hlo_text: str, kind: str = "all-reduce", *, where: Literal["all", "loop", "entry"] = "all"
+) -> int:
+  """Counts the collective ops of one kind in a compiled program's HLO text.
+
+  Asynchronous pairs (``all-reduce-start``/``-done``) count once.
+
+  Args:
+    hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
+    kind: the HLO opcode, e.g. ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``.
+    where: ``"all"`` (every computation the entry computation reaches), ``"loop"`` (only those
+      inside a ``while`` body or condition, or what they call), or ``"entry"``.
+
+  Returns:
+    The number of such ops.
+
+  Raises:
+    ValueError: for an unknown `kind` or `where`.
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> text = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text()
+  >>> optax_accum.count_collectives(text)
+  0
+  """
+  if kind not in COLLECTIVES:
+    raise ValueError(f"count_collectives: kind must be one of {COLLECTIVES}, got {kind!r}.")
+  if where not in ("all", "loop", "entry"):
+    raise ValueError(f"count_collectives: where must be 'all', 'loop' or 'entry', got {where!r}.")
+  comps, entry = computations(hlo_text)
+  counts = {name: sum(_is(i, kind) for i in instrs) for name, instrs in comps.items()}
+  if entry is None:
+    return sum(counts.values())
+  if where == "entry":
+    return counts[entry]
+  roots = [entry]
+  if where == "loop":
+    roots = [c for instrs in comps.values() for i in instrs if i.op == "while" for c in callees(i)]
+  return sum(counts.get(c, 0) for c in reachable(comps, roots))
+
+
+def conditional_branches(hlo_text: str, kind: str = "all-reduce") -> list[list[int]]:
+  """For each ``conditional`` op: the count of `kind` ops reachable from each of its branches.
+
+  Branches are in HLO order: for a boolean ``lax.cond(pred, true_fun, false_fun)`` JAX emits
+  ``branch_computations={false_fun, true_fun}``.
+  """
+  comps, _ = computations(hlo_text)
+  return [
+    [sum(_is(x, kind) for c in reachable(comps, [b]) for x in comps[c]) for b in callees(i)]
+    for instrs in comps.values()
+    for i in instrs
+    if i.op == "conditional"
+  ]
+
+
+def shape_bytes(shape: str) -> int:
+  """Bytes of an HLO shape string (a tuple shape counts every element)."""
+  total = 0.0
+  for dtype, dims in _SHAPE.findall(shape):
+    n = 1
+    for d in filter(None, dims.split(",")):
+      n *= int(d)
+    total += n * _DTYPE_BYTES.get(dtype, 0)
+  return int(total)
+
+
+Placement = Literal["step", "loop", "cond"]
+
+
+def placements(comps: dict[str, list[Instruction]], entry: str) -> tuple[dict[str, str], set[str]]:
+  """How often each computation runs, and which computations are fusion bodies.
+
+  "step": on every call; "loop": inside a while body (once per iteration); "cond": inside a
+  conditional branch (only when taken). A computation reached several ways gets the most
+  specific placement (cond over loop over step).
+  """
+  rank = {"step": 0, "loop": 1, "cond": 2}
+  fused: set[str] = set()
+  placement: dict[str, str] = {}
+  todo = [(entry, "step")]
+  while todo:
+    name, where = todo.pop()
+    if name not in comps or (name in placement and rank[placement[name]] >= rank[where]):
+      continue
+    placement[name] = where
+    for instr in comps[name]:
+      if instr.op == "fusion":
+        fused.update(callees(instr))
+      elif instr.op == "conditional":
+        todo += [(c, "cond") for c in callees(instr)]
+      elif instr.op == "while":
+        todo += [(c, "loop" if where == "step" else where) for c in callees(instr)]
+      elif instr.op in ("call", "async-start", "custom-call"):
+        todo += [(c, where) for c in callees(instr)]
+  return placement, fused
+
+
+@dataclasses.dataclass
+class HloStats:
+  """What the optimised HLO of one compiled program contains (fusion bodies excluded)."""
+
+  copies: int = 0  # top-level `copy` instructions: real memory copies
+  copy_bytes: int = 0
+  conditionals: int = 0
+  whiles: int = 0
+  fusions: int = 0
+  sqrt_ops: int = 0  # sqrt/rsqrt anywhere (fusion bodies included): Adam's update ran
+  collectives: dict[str, int] = dataclasses.field(default_factory=dict)  # op -> count
+  collective_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # placement -> bytes
+  collective_where: dict[str, int] = dataclasses.field(default_factory=dict)  # placement -> count
+  copies_where: dict[str, int] = dataclasses.field(default_factory=dict)  # placement -> bytes
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def hlo_stats(hlo_text: str) -> HloStats:
+  """Parses optimised HLO text (``compiled.as_text()``) into `HloStats`.
+
+  Every instruction is placed by `placements`. Fusion bodies are not counted for copies: a
+  fused copy is part of a kernel, not a separate pass over memory.
+  """
+  comps, entry = computations(hlo_text)
+  placement, fused = placements(comps, entry) if entry is not None else ({}, set())
+  stats = HloStats()
+
+  def bump(d: dict[str, int], key: str, n: int = 1) -> None:
+    d[key] = d.get(key, 0) + n
+
+  for comp, instrs in comps.items():
+    where = placement.get(comp)
+    for instr in instrs:
+      op = instr.op
+      stats.sqrt_ops += op in ("sqrt", "rsqrt")
+      if where is None or comp in fused:
+        continue
+      stats.conditionals += op == "conditional"
+      stats.whiles += op == "while"
+      stats.fusions += op == "fusion"
+      if op == "copy":
+        stats.copies += 1
+        stats.copy_bytes += shape_bytes(instr.shape)
+        bump(stats.copies_where, where, shape_bytes(instr.shape))
+      base = op.removesuffix("-start")
+      if base in COLLECTIVES and not op.endswith("-done"):
+        bump(stats.collectives, base)
+        bump(stats.collective_where, where)
+        bump(stats.collective_bytes, where, shape_bytes(instr.shape))
+  return stats
+
+
+def memory(compiled: Any) -> dict[str, int]:
+  """XLA's byte accounting of a compiled program, with ``peak`` (see `peak_bytes`).
+
+  Empty where the backend reports none.
+  """
+  m = compiled.memory_analysis()
+  if m is None:
+    return {}
+  out = {
+    "argument": int(m.argument_size_in_bytes),
+    "output": int(m.output_size_in_bytes),
+    "temp": int(m.temp_size_in_bytes),
+    "alias": int(m.alias_size_in_bytes),
+  }
+  # Arguments and outputs live for the whole call, temporaries are XLA's scratch buffers, and
+  # outputs that alias (donated) arguments are counted once.
+  out["peak"] = out["argument"] + out["output"] + out["temp"] - out["alias"]
+  return out
+
+
+def peak_bytes(compiled: Any) -> int:
+  """The device memory a compiled program needs: ``argument + output + temp - alias`` bytes.
+
+  Raises:
+    RuntimeError: if the backend reports no memory analysis.
+  """
+  m = memory(compiled)
+  if not m:
+    raise RuntimeError("this backend's compiled programs report no memory analysis.")
+  return m["peak"]
+
+
+@dataclasses.dataclass
+class Compiled:
+  """One compiled program: callable, compile seconds, memory (`memory`), HLO stats, HLO text."""
+
+  fn: Any
+  compile_s: float
+  memory: dict[str, int]
+  hlo: HloStats
+  text: str
+
+  def __call__(self, *args):
+    return self.fn(*args)
+
+
+def compile_fn(
+  f: Callable, *args: Any, donate_argnums: Sequence[int] = (), **jit_kwargs: Any
+) -> Compiled:
+  """Lowers and compiles ``jax.jit(f)`` for `args` (timed), with `donate_argnums` donated."""
+  t0 = time.perf_counter()
+  compiled = jax.jit(f, donate_argnums=tuple(donate_argnums), **jit_kwargs).lower(*args).compile()
+  seconds = time.perf_counter() - t0
+  text = compiled.as_text()
+  return Compiled(compiled, seconds, memory(compiled), hlo_stats(text), text)
