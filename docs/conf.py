@@ -1,0 +1,80 @@
+"""Sphinx configuration for the optax_accum documentation.
+
+Build (warnings are errors, code cells executed): ``.ci/docs``, or
+``python -m sphinx -W --keep-going -b html docs docs/_build/html``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+DOCS = pathlib.Path(__file__).resolve().parent
+ROOT = DOCS.parent
+sys.path.insert(0, str(ROOT))  # document the source tree this conf.py belongs to
+sys.path.insert(0, str(DOCS / "_ext"))
+
+import optax_accum  # noqa: E402
+
+project = "optax_accum"
+author = "optax_accum developers"
+copyright = "optax_accum developers"
+release = optax_accum.__version__
+version = release
+REPOSITORY = "https://github.com/optax-accum/optax_accum"  # placeholder, as in pyproject.toml
+
+extensions = [
+  "myst_nb",  # MyST markdown + notebooks (executes {code-cell}s); includes myst_parser
+  "sphinx.ext.autodoc",
+  "sphinx.ext.autosummary",
+  "sphinx.ext.napoleon",  # Google-style Args/Returns/Raises
+  "sphinx.ext.viewcode",
+  "optax_accum_docs",  # docs/_ext: API reference from __all__, its coverage check, copies
+]
+
+exclude_patterns = ["_build", "README.md", "**.ipynb_checkpoints", "jupyter_execute"]
+suppress_warnings: list[str] = []
+
+# -- MyST / MyST-NB -------------------------------------------------------------------------
+myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]
+myst_heading_anchors = 3
+
+# Every {code-cell} of a MyST page is executed on each build that reads it; an exception in a
+# cell fails the build. The notebook copied from notebooks/ is rendered with its committed
+# outputs (tests/test_notebooks.py executes it).
+nb_execution_mode = "force"
+nb_execution_raise_on_error = True
+nb_execution_show_tb = True
+nb_execution_timeout = 120
+nb_execution_excludepatterns = ["_generated/notebooks/*.ipynb"]  # matched from the right
+nb_merge_streams = True
+
+# -- autodoc --------------------------------------------------------------------------------
+default_role = "py:obj"  # `name` in docstrings links when it names a documented object
+autodoc_member_order = "bysource"
+autodoc_preserve_defaults = True
+autodoc_typehints = "signature"
+autodoc_typehints_format = "short"
+autodoc_class_signature = "mixed"
+autosummary_generate = False
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+napoleon_use_rtype = False
+
+# -- HTML -----------------------------------------------------------------------------------
+html_theme = "sphinx_book_theme"
+html_title = f"optax_accum {release}"
+html_theme_options = {
+  "repository_url": REPOSITORY,
+  "repository_branch": "main",
+  "path_to_docs": "docs",
+  "use_repository_button": True,
+  "use_issues_button": True,
+  "use_edit_page_button": False,
+  "show_toc_level": 2,
+  "navigation_with_keys": False,
+  # The book theme's sidebar has the search field; without this, pydata-sphinx-theme 0.20
+  # puts a second one in a header bar above the page.
+  "navbar_persistent": [],
+}
+html_last_updated_fmt = None
