@@ -12,17 +12,27 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum._typing import Split
+from optax_accum._typing import ArgNums, Split
+
+
+class Positions(NamedTuple):
+  """Where the batch, the PRNG keys and the threaded state sit among a call's arguments."""
+
+  batch: tuple[int, ...]  # positional batch arguments
+  rngs: tuple[int, ...]  # positional PRNG-key arguments (one fresh key per micro-batch)
+  states: tuple[int, ...]  # positional arguments threaded through the micro-batches
+  single_state: bool  # state_argnums was one int: `state_out` returns one state, not a tuple
 
 
 def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
+  """`argnums` (an int or a sequence of ints, no repeats) as a tuple of ints."""
   items = (argnums,) if isinstance(argnums, int | np.integer) else argnums
   try:
     items = tuple(items)
@@ -37,7 +47,20 @@ def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
   return items
 
 
-def resolve(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+def positions(batch_argnums: ArgNums, rng_argnums: ArgNums, state_argnums: ArgNums) -> Positions:
+  """The checked positions, as given (negative ones count from the end of the call's arguments)."""
+  batch = check_argnums("batch_argnums", batch_argnums)
+  if not batch:
+    raise ValueError("microbatch: batch_argnums must name at least one argument, got ().")
+  return Positions(
+    batch,
+    check_argnums("rng_argnums", rng_argnums),
+    check_argnums("state_argnums", state_argnums),
+    isinstance(state_argnums, int | np.integer),
+  )
+
+
+def _resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
   out = []
   for a in argnums:
     if not -nargs <= a < nargs:
@@ -47,6 +70,20 @@ def resolve(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
       )
     out.append(a % nargs)
   return tuple(out)
+
+
+def resolve(pos: Positions, nargs: int) -> Positions:
+  """`pos` for a call with `nargs` positional arguments: in range, non-negative, disjoint."""
+  batch = _resolve_argnums("batch_argnums", pos.batch, nargs)
+  rngs = _resolve_argnums("rng_argnums", pos.rngs, nargs)
+  states = _resolve_argnums("state_argnums", pos.states, nargs)
+  for name, other in (("rng_argnums", rngs), ("state_argnums", states)):
+    both = sorted(set(batch) & set(other))
+    if both:
+      raise ValueError(f"microbatch: argument {both[0]} is in both batch_argnums and {name}.")
+  if set(rngs) & set(states):
+    raise ValueError("microbatch: an argument is in both rng_argnums and state_argnums.")
+  return pos._replace(batch=batch, rngs=rngs, states=states)
 
 
 def batch_size(args: Sequence[Any], batch: tuple[int, ...], k: int) -> int:
@@ -84,6 +121,7 @@ def batch_size(args: Sequence[Any], batch: tuple[int, ...], k: int) -> int:
 
 
 def check_keys(args: Sequence[Any], rngs: tuple[int, ...]) -> None:
+  """Raises unless every leaf of the `rngs` arguments is one PRNG key (typed or raw)."""
   for i in rngs:
     for path, x in jax.tree.leaves_with_path(args[i]):
       dtype, shape = jnp.result_type(x), jnp.shape(x)
@@ -95,6 +133,11 @@ def check_keys(args: Sequence[Any], rngs: tuple[int, ...]) -> None:
           f" is not a single PRNG key (jax.random.key(...) or jax.random.PRNGKey(...)): got "
           f"{dtype}{list(shape)}."
         )
+
+
+def _axis(split: Split) -> int:
+  """The axis of a `split_batch` array that numbers the micro-batches."""
+  return 1 if split == "strided" else 0
 
 
 def split_batch(x: jax.Array, k: int, split: Split) -> jax.Array:
@@ -111,11 +154,26 @@ def split_batch(x: jax.Array, k: int, split: Split) -> jax.Array:
 
 def take(x: jax.Array, i: jax.Array, split: Split) -> jax.Array:
   """Micro-batch ``i`` of a `split_batch` array: rows ``i, i+k, …`` or ``i·b, …, (i+1)·b - 1``."""
-  return lax.dynamic_index_in_dim(x, i, axis=1 if split == "strided" else 0, keepdims=False)
+  return lax.dynamic_index_in_dim(x, i, axis=_axis(split), keepdims=False)
 
 
-def unsplit(y: jax.Array, split: Split) -> jax.Array:
-  """The inverse of `split_batch`: ``(k, b, ...) -> (k·b, ...)`` in the original example order."""
-  if split == "strided":
-    y = y.swapaxes(0, 1)
+def zeros_split(like: Any, k: int, split: Split) -> jax.Array:
+  """Zeros for ``k`` micro-batches' values of shape ``like.shape``, laid out as `split_batch`."""
+  shape = tuple(like.shape)
+  shape = (*shape[:1], k, *shape[1:]) if split == "strided" else (k, *shape)
+  return jnp.zeros(shape, like.dtype)
+
+
+def put(buffer: jax.Array, y: jax.Array, i: jax.Array, split: Split) -> jax.Array:
+  """Writes micro-batch ``i``'s rows `y` into a `split_batch`-shaped `buffer` (in place)."""
+  return lax.dynamic_update_index_in_dim(buffer, y.astype(buffer.dtype), i, axis=_axis(split))
+
+
+def unsplit(y: jax.Array) -> jax.Array:
+  """The inverse of `split_batch`: ``(b, k, ...)`` or ``(k, b, ...)`` -> ``(k·b, ...)``, free.
+
+  A stack of scalars, ``(k,)``, stays as it is.
+  """
+  if y.ndim < 2:
+    return y
   return y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])

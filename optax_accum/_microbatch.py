@@ -1,10 +1,11 @@
 """`microbatch`: one training step's batch as k micro-batches under one `lax.scan`.
 
-Reads top-down: check the arguments → reshape the batch arguments (free, no copy) → trace `fun`
-once abstractly for its output types → one scan body that reads micro-batch ``i`` in place,
-calls `fun` on it and adds its outputs to sums kept in the carry (with the shared `_core`, so
-XLA updates them in place) → one `lax.scan(length=k)` → reduce across devices and normalise,
-once, after the loop.
+Reads top-down (`_run`): resolve where the batch, keys and state sit → reshape the batch
+arguments (free, no copy) → trace `fun` once abstractly for its output plan (which leaf is
+reduced how, which leaves are the threaded state) → one loop whose body reads micro-batch ``i``
+in place, calls `fun` on it and adds its outputs to sums kept in a named carry (with the shared
+`_core`, so XLA updates them in place) → reduce across devices and normalise, once, after the
+loop.
 
 Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
 
@@ -17,8 +18,9 @@ Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +48,55 @@ STATE_OUT_MISSING = (
   "                      state_out=lambda out: out[0][1])\n"
 )
 
+STATE_OUT_NOT_SELECTION = (
+  "microbatch: state_out must *select* the new state out of fun's output (indexing, attribute "
+  "access), so that those output leaves come back as the final state. Applied to fun's output "
+  "with every leaf replaced by an integer marker of its position, it {what}. Return the "
+  "output's own leaves, e.g. `state_out=lambda out: out[0][1]`, not a value computed from them."
+)
+
+
+class _Options(NamedTuple):
+  """`microbatch`'s arguments, checked once when it is called."""
+
+  fun: Callable[..., Any]
+  k: int  # num_microbatches
+  positions: _batch.Positions  # as given; resolved per call
+  reduction: Any  # a reduction string, or a pytree prefix of fun's output of them
+  weight_fn: Callable[..., Any] | None
+  state_out: Callable[[Any], Any] | None
+  accum_dtype: jnp.dtype | None
+  split: Split
+  axis_name: AxisName | None
+
+
+class _Outputs(NamedTuple):
+  """The output plan: what becomes of each leaf of `fun`'s output."""
+
+  tree: Any  # the PyTreeDef of fun's output
+  like: tuple[jax.ShapeDtypeStruct, ...]  # one micro-batch's value, per leaf
+  kinds: tuple[str, ...]  # per leaf: "mean", "sum", "concat", "last" or "state"
+  state: tuple[tuple[int, ...], ...]  # per state argument: the output leaves of its new value
+  total: jax.ShapeDtypeStruct  # the accumulated weight's type (its device variance)
+
+  def pick(self, leaves: Any, kind: str) -> list[Any]:
+    """The entries of `leaves` (one per output leaf) whose leaf is reduced by `kind`."""
+    return [x for x, r in zip(leaves, self.kinds, strict=True) if r == kind]
+
+
+class _Carry(NamedTuple):
+  """What the loop carries from one micro-batch to the next."""
+
+  means: list[jax.Array]  # Σ wᵢ fᵢ of the "mean" leaves, in the accumulation dtype
+  sums: list[jax.Array]  # Σ fᵢ of the "sum" leaves
+  total: jax.Array  # Σ wᵢ; shape=(), dtype=jnp.float32
+  last: list[jax.Array]  # the latest value of the "last" leaves
+  rows: list[jax.Array]  # every micro-batch's "concat" values, laid out like the split batch
+  state: tuple[Any, ...]  # the threaded state arguments
+  # The call's (args, kwargs), batch arguments split: loop-invariant operands XLA neither
+  # copies nor moves (values enter the loop as operands, not closures).
+  operands: tuple[list[Any], dict[str, Any]]
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (factory time).
@@ -68,25 +119,18 @@ def _check_reduction(reduction: Any) -> Any:
   return reduction
 
 
-# ----------------------------------------------------------------------------------------------
-# Trace-time checks and helpers.
-
-
-def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
-  """One reduction string per leaf of `out` (reduction is a prefix of out's structure)."""
-  if isinstance(reduction, str):
-    return [reduction] * len(jax.tree.leaves(out))
-  try:
-    full = jax.tree.broadcast(reduction, out)
-  except ValueError as e:
+def _check_callables(fun: Any, weight_fn: Any, state_out: Any, states: tuple[int, ...]) -> None:
+  if not callable(fun):
+    raise TypeError(f"microbatch: fun must be callable, got {fun!r}.")
+  if weight_fn is not None and not callable(weight_fn):
+    raise TypeError(f"microbatch: weight_fn must be callable or None, got {weight_fn!r}.")
+  if states and state_out is None:
+    raise ValueError(STATE_OUT_MISSING.format(argnums=states[0]))
+  if state_out is not None and not states:
     raise ValueError(
-      "microbatch: reduction is not a pytree prefix of fun's output.\n"
-      f"  reduction: {jax.tree.structure(reduction)}\n"
-      f"  output:    {jax.tree.structure(out)}\n"
-      "Give one string, or a tree with fun's output structure (same container types: a tuple "
-      "for a tuple, a dict with the same keys) cut off at any depth."
-    ) from e
-  return jax.tree.leaves(full)
+      "microbatch: state_out is given but state_argnums is empty; name the "
+      "state arguments with state_argnums."
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -131,8 +175,8 @@ def microbatch(
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
   that micro-batch ``i-1`` produced, as ``k`` sequential small steps would; the output leaves
-  that `state_out` returns (it should *select* them, e.g. ``lambda out: out[0][1]``) come out as
-  the final state whatever `reduction` says for them.
+  that `state_out` selects (e.g. ``lambda out: out[0][1]``) come out as the final state whatever
+  `reduction` says for them.
 
   Args:
     fun: the function to run per micro-batch, e.g. ``jax.value_and_grad(loss, has_aux=True)``.
@@ -152,8 +196,10 @@ def microbatch(
       devices never share masks either.
     state_argnums: positional arguments threaded through the micro-batches in order.
     state_out: ``output -> new state`` (one value when `state_argnums` is an int, a tuple when
-      it is a sequence), with the structure and shapes of those arguments (dtypes are cast to
-      theirs). Required with `state_argnums`.
+      it is a sequence) that *selects* leaves of `fun`'s output (indexing, attribute access),
+      with the structure and shapes of those arguments (dtypes are cast to theirs). It is
+      applied once, to the output's structure, to find those leaves. Required with
+      `state_argnums`.
     accum_dtype: the dtype in which floating "mean"/"sum" outputs are accumulated; None means
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
@@ -169,8 +215,8 @@ def microbatch(
   Raises:
     TypeError, ValueError: for a bad `num_microbatches`, argnums, `reduction`, `split` or
       `weight_fn` (when called here), and at trace time for a batch size not divisible by ``k``,
-      batch arguments that disagree on the batch size, positions out of range, or a
-      `reduction` that does not fit the output.
+      batch arguments that disagree on the batch size, positions out of range, a `reduction`
+      that does not fit the output, or a `state_out` that does not select output leaves.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> def loss(w, x):
@@ -181,214 +227,312 @@ def microbatch(
   >>> bool(jnp.allclose(value, loss(w, x))), bool(jnp.allclose(grad, jax.grad(loss)(w, x)))
   (True, True)
   """
-  if not callable(fun):
-    raise TypeError(f"microbatch: fun must be callable, got {fun!r}.")
-  k = _checks.positive_int(num_microbatches, "num_microbatches", "microbatch")
-  batch_argnums = _batch.check_argnums("batch_argnums", batch_argnums)
-  if not batch_argnums:
-    raise ValueError("microbatch: batch_argnums must name at least one argument, got ().")
-  rng_argnums = _batch.check_argnums("rng_argnums", rng_argnums)
-  single_state = isinstance(state_argnums, int | np.integer)
-  state_argnums = _batch.check_argnums("state_argnums", state_argnums)
-  reduction = _check_reduction(reduction)
+  pos = _batch.positions(batch_argnums, rng_argnums, state_argnums)
+  _check_callables(fun, weight_fn, state_out, pos.states)
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
-  if weight_fn is not None and not callable(weight_fn):
-    raise TypeError(f"microbatch: weight_fn must be callable or None, got {weight_fn!r}.")
-  if state_argnums and state_out is None:
-    raise ValueError(STATE_OUT_MISSING.format(argnums=state_argnums[0]))
-  if state_out is not None and not state_argnums:
-    raise ValueError(
-      "microbatch: state_out is given but state_argnums is empty; name the "
-      "state arguments with state_argnums."
-    )
-  accum_dtype = _checks.accum_dtype(accum_dtype)
+  opts = _Options(
+    fun=fun,
+    k=_checks.positive_int(num_microbatches, "num_microbatches", "microbatch"),
+    positions=pos,
+    reduction=_check_reduction(reduction),
+    weight_fn=weight_fn,
+    state_out=state_out,
+    accum_dtype=_checks.accum_dtype(accum_dtype),
+    split=split,
+    axis_name=axis_name,
+  )
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    nargs = len(args)
-    batch = _batch.resolve("batch_argnums", batch_argnums, nargs)
-    rngs = _batch.resolve("rng_argnums", rng_argnums, nargs)
-    states = _batch.resolve("state_argnums", state_argnums, nargs)
-    for name, other in (("rng_argnums", rngs), ("state_argnums", states)):
-      both = sorted(set(batch) & set(other))
-      if both:
-        raise ValueError(f"microbatch: argument {both[0]} is in both batch_argnums and {name}.")
-    if set(rngs) & set(states):
-      raise ValueError("microbatch: an argument is in both rng_argnums and state_argnums.")
-    size = _batch.batch_size(args, batch, k)
-    _batch.check_keys(args, rngs)
-    if axis_name is not None:
-      _collectives.check_bound(axis_name, "microbatch")
-
-    if k == 1 and axis_name is None:
-      out = fun(*args, **kwargs)
-      _leaf_reductions(reduction, jax.eval_shape(lambda: out))  # same checks as for k > 1
-      return out
-
-    # Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
-    args = [
-      a if i in batch or i in rngs else _collectives.to_varying(a, axis_name)
-      for i, a in enumerate(args)
-    ]
-    kwargs = _collectives.to_varying(kwargs, axis_name)
-    return _run(args, kwargs, batch, rngs, states, size)
-
-  def _call(args, kwargs, batch, rngs, states, i, mb, state):
-    """`fun` and `weight_fn` on micro-batch `i` (`mb`: the batch arguments' slices)."""
-    a = list(args)
-    for j, x in zip(batch, mb, strict=True):
-      a[j] = x
-    for j in rngs:
-      keys = args[j]
-      if axis_name is not None:
-        # A replicated key would give every device the same masks on different examples.
-        keys = jax.tree.map(
-          functools.partial(jax.random.fold_in, data=lax.axis_index(axis_name)), keys
-        )
-      if k > 1:
-        keys = jax.tree.map(lambda key: jax.random.fold_in(key, i), keys)
-      a[j] = keys
-    for j, s in zip(states, state, strict=True):
-      a[j] = s
-    out = fun(*a, **kwargs)
-    w = None
-    if weight_fn is not None:
-      w = _checks.weight(weight_fn(*a, **kwargs), "microbatch: weight_fn")
-    new_state = ()
-    if states:
-      new_state = state_out(out)
-      new_state = (new_state,) if single_state else tuple(new_state)
-    return out, w, new_state
-
-  def _check_state(new_state, state, states):
-    if len(new_state) != len(state):
-      raise ValueError(
-        f"microbatch: state_out returned {len(new_state)} states for state_argnums={states}."
-      )
-    for j, n, s in zip(states, new_state, state, strict=True):
-      if jax.tree.structure(n) != jax.tree.structure(s):
-        raise ValueError(
-          f"microbatch: state_out's new state for argument {j} has another tree than the "
-          f"argument:\n  new:      {jax.tree.structure(n)}\n  argument: {jax.tree.structure(s)}"
-        )
-      bad = [
-        f"  argument {j}{jax.tree_util.keystr(p)}: new {jnp.shape(x)}, argument {jnp.shape(y)}"
-        for (p, x), y in zip(jax.tree.leaves_with_path(n), jax.tree.leaves(s), strict=True)
-        if jnp.shape(x) != jnp.shape(y)
-      ]
-      if bad:
-        raise ValueError("microbatch: state_out's new state changes shapes:\n" + "\n".join(bad))
-
-  def _run(args, kwargs, batch, rngs, states, size):
-    b = size // k
-    parts = [
-      jax.tree.map(lambda x: _batch.split_batch(jnp.asarray(x), k, split), args[j]) for j in batch
-    ]
-
-    def micro(parts, i):
-      return [jax.tree.map(lambda x: _batch.take(x, i, split), p) for p in parts]
-
-    state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in states)
-
-    # Trace `fun` once abstractly for its output types, and find the output leaves that are the
-    # threaded state (they come out as the final state, not reduced).
-    state_leaf = {}  # output leaf index -> (state position, leaf index in that state)
-
-    def probe(parts, state):
-      out, w, new_state = _call(args, kwargs, batch, rngs, states, 0, micro(parts, 0), state)
-      if states:
-        _check_state(new_state, state, states)
-        ids = {
-          id(x): (p, q) for p, s in enumerate(new_state) for q, x in enumerate(jax.tree.leaves(s))
-        }
-        for n, x in enumerate(jax.tree.leaves(out)):
-          if id(x) in ids:
-            state_leaf[n] = ids[id(x)]
-      return out, w, new_state
-
-    out_t, w_t, state_t = jax.eval_shape(probe, parts, state0)
-    out_leaves, out_tree = jax.tree.flatten(out_t)
-    kinds = _leaf_reductions(reduction, out_t)
-    kinds = ["state" if n in state_leaf else r for n, r in enumerate(kinds)]
-    idx = {r: [n for n, kind in enumerate(kinds) if kind == r] for r in (*OUT_REDUCTIONS, "state")}
-    bad = [
-      f"  output leaf {n}: shape {out_leaves[n].shape}"
-      for n in idx["concat"]
-      if not out_leaves[n].shape or (split == "strided" and out_leaves[n].shape[0] != b)
-    ]
-    if bad:
-      need = (
-        f"a leading axis of size {b} (one row per example)"
-        if split == "strided"
-        else ("a leading axis to concatenate along")
-      )
-      raise ValueError(
-        f"microbatch: reduction 'concat' needs {need}; with {k} micro-batches of {b} examples "
-        "these outputs have none:\n"
-        + "\n".join(bad)
-        + "\nUse 'mean'/'sum'/'last' for them, or (for outputs with several rows per example) "
-        "split='contiguous'."
-      )
-
-    def pick(tree_leaves, r):
-      return [tree_leaves[n] for n in idx[r]]
-
-    # The carry: weighted sums ("mean"), plain sums ("sum"), the total weight, the latest
-    # values ("last"), and the threaded state. Its initial values get the device-variance of
-    # what the loop writes into it, or the scan would change the carry's type.
-    total_t = jax.ShapeDtypeStruct((), jnp.float32)
-    if w_t is not None:
-      total_t = jax.eval_shape(lambda w: jnp.zeros((), jnp.float32) + w.astype(jnp.float32), w_t)
-    means_t, sums_t, last_t = (pick(out_leaves, r) for r in ("mean", "sum", "last"))
-    carry0 = (
-      # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
-      _collectives.match_variance(
-        _collectives.match_variance(_core.zeros(means_t, accum_dtype), means_t),
-        [total_t] * len(means_t),
-      ),
-      _collectives.match_variance(_core.zeros(sums_t, accum_dtype), sums_t),
-      _collectives.match_variance(jnp.zeros((), jnp.float32), total_t),
-      _collectives.match_variance([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
-      _collectives.match_variance(state0, state_t),
-    )
-
-    def body(carry, i):
-      (means, sums, total, _, state), parts = carry
-      out, w, new_state = _call(args, kwargs, batch, rngs, states, i, micro(parts, i), state)
-      leaves = out_tree.flatten_up_to(out)
-      means, total, _ = _core.add(means, total, pick(leaves, "mean"), w, skip_nonfinite=False)
-      # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
-      sums, _, _ = _core.add(sums, total, pick(leaves, "sum"), None, skip_nonfinite=False)
-      last = pick(leaves, "last")
-      new_state = jax.tree.map(lambda n, s: n.astype(s.dtype), new_state, state)
-      new = _collectives.match_variance((means, sums, total, last, new_state), carry[0])
-      return (new, parts), pick(leaves, "concat")
-
-    # The batch rides in the carry unchanged (a loop-invariant operand XLA does not copy).
-    steps = jnp.arange(k, dtype=jnp.int32)
-    if k == 1:  # only with axis_name: one call, no loop
-      (carry, _), ys = body((carry0, parts), steps[0])
-      ys = [y[None] for y in ys]
-    else:
-      (carry, _), ys = lax.scan(body, (carry0, parts), steps)
-    means, sums, total, last, state = carry
-
-    # Once, after the loop: the sums and the weight in one all-reduce.
-    means, sums, total = _collectives.reduce((means, sums, total), axis_name)
-    results = [None] * len(out_leaves)
-    for r, values in (
-      ("mean", _core.normalise(means, total, means_t, "mean")),
-      ("sum", _core.normalise(sums, total, sums_t, "sum")),
-      ("last", last),
-      ("concat", [_batch.unsplit(y, split) for y in ys]),
-    ):
-      for n, v in zip(idx[r], values, strict=True):
-        results[n] = v
-    state_leaves = [jax.tree.leaves(s) for s in state]
-    for n in idx["state"]:
-      p, q = state_leaf[n]
-      results[n] = state_leaves[p][q].astype(out_leaves[n].dtype)
-    return jax.tree.unflatten(out_tree, results)
+    return _run(opts, args, kwargs)
 
   return wrapped
+
+
+def _run(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """The whole transformed call: every call of a `microbatch` function comes through here."""
+  pos = _batch.resolve(opts.positions, len(args))
+  size = _batch.batch_size(args, pos.batch, opts.k)
+  _batch.check_keys(args, pos.rngs)
+  _collectives.check_bound(opts.axis_name, "microbatch")
+  if opts.k == 1 and opts.axis_name is None:
+    out = opts.fun(*args, **kwargs)
+    _leaf_reductions(opts.reduction, jax.eval_shape(lambda: out))  # the checks of k > 1
+    return out
+  operands = _operands(args, kwargs, pos, opts)
+  state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in pos.states)
+  plan = _plan(opts, pos, operands, state0, size // opts.k)
+  carry = _init(opts, plan, state0, operands)
+  body = functools.partial(_body, opts=opts, pos=pos, plan=plan)
+  # Static bounds: one lax.scan. k == 1 (only with axis_name) is one call, no loop.
+  carry = body(jnp.int32(0), carry) if opts.k == 1 else lax.fori_loop(0, opts.k, body, carry)
+  return _finish(opts, plan, carry)
+
+
+# ----------------------------------------------------------------------------------------------
+# One micro-batch.
+
+
+def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list, dict]:
+  """The call's arguments as the loop reads them: batch ones split, the others made local.
+
+  Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
+  """
+  a = []
+  for j, x in enumerate(args):
+    if j in pos.batch:
+      x = jax.tree.map(lambda v: _batch.split_batch(jnp.asarray(v), opts.k, opts.split), x)
+    elif j not in pos.rngs:
+      x = _collectives.to_varying(x, opts.axis_name)
+    a.append(x)
+  return a, _collectives.to_varying(kwargs, opts.axis_name)
+
+
+def _fold_keys(keys: Any, i: jax.Array, k: int, axis_name: AxisName | None) -> Any:
+  """Micro-batch ``i``'s keys: ``fold_in(key, i)``, after the device index with `axis_name`."""
+  if axis_name is not None:
+    # A replicated key would give every device the same masks on different examples.
+    index = lax.axis_index(axis_name)
+    keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
+  if k > 1:
+    keys = jax.tree.map(lambda key: jax.random.fold_in(key, i), keys)
+  return keys
+
+
+def _call(
+  opts: _Options, pos: _batch.Positions, operands: tuple, state: tuple, i: Any
+) -> tuple[Any, jax.Array | None]:
+  """`fun` and `weight_fn` on micro-batch ``i``: ``(output, weight or None)``."""
+  args, kwargs = operands
+  a = list(args)
+  for j in pos.batch:
+    a[j] = jax.tree.map(lambda x: _batch.take(x, i, opts.split), args[j])
+  for j in pos.rngs:
+    a[j] = _fold_keys(args[j], i, opts.k, opts.axis_name)
+  for j, s in zip(pos.states, state, strict=True):
+    a[j] = s
+  out = opts.fun(*a, **kwargs)
+  if opts.weight_fn is None:
+    return out, None
+  return out, _checks.weight(opts.weight_fn(*a, **kwargs), "microbatch: weight_fn")
+
+
+# ----------------------------------------------------------------------------------------------
+# The output plan (trace time).
+
+
+def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
+  """One reduction string per leaf of `out` (reduction is a prefix of out's structure)."""
+  if isinstance(reduction, str):
+    return [reduction] * len(jax.tree.leaves(out))
+  try:
+    full = jax.tree.broadcast(reduction, out)
+  except ValueError as e:
+    raise ValueError(
+      "microbatch: reduction is not a pytree prefix of fun's output.\n"
+      f"  reduction: {jax.tree.structure(reduction)}\n"
+      f"  output:    {jax.tree.structure(out)}\n"
+      "Give one string, or a tree with fun's output structure (same container types: a tuple "
+      "for a tuple, a dict with the same keys) cut off at any depth."
+    ) from e
+  return jax.tree.leaves(full)
+
+
+def _plan(opts: _Options, pos, operands, state0: tuple, b: int) -> _Outputs:
+  """Traces `fun` once, abstractly, on micro-batch 0 and decides what becomes of each leaf."""
+  out_t, w_t = jax.eval_shape(functools.partial(_call, opts, pos), operands, state0, 0)
+  like, tree = jax.tree.flatten(out_t)
+  kinds = _leaf_reductions(opts.reduction, out_t)
+  state = _state_leaves(opts.state_out, pos, tree, like, state0)
+  for leaves in state:
+    for n in leaves:
+      kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
+  _check_concat([(n, x) for n, x in enumerate(like) if kinds[n] == "concat"], b, opts)
+  total = jax.ShapeDtypeStruct((), jnp.float32)
+  if w_t is not None:  # the total weight varies across devices wherever the weights do
+    total = jax.eval_shape(lambda w: jnp.zeros((), jnp.float32) + w.astype(jnp.float32), w_t)
+  return _Outputs(tree, tuple(like), tuple(kinds), state, total)
+
+
+# `state_out` is applied to integer markers ``n * _STRIDE + _OFFSET`` in place of output leaf
+# ``n``: a selection keeps a marker as it is, while arithmetic on one (``out[1] * 2``, ``+ 1``)
+# lands between markers (the stride is prime, the offset not a multiple of it) and is caught
+# instead of silently picking another leaf. Markers stay below 2**31 (they may become int32).
+_STRIDE, _OFFSET = 8191, 1009
+
+
+def _markers(num_leaves: int) -> tuple[int, int]:
+  """(stride, offset) of the markers for `num_leaves` leaves (plain positions for huge trees)."""
+  return (_STRIDE, _OFFSET) if num_leaves * _STRIDE < 2**31 - _STRIDE else (1, 0)
+
+
+def _position(x: Any, num_leaves: int) -> int | None:
+  """The output leaf whose marker `x` is, or None if `x` is not a marker."""
+  if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer | jax.Array):
+    return None
+  try:
+    m = operator.index(x)
+  except TypeError:
+    return None
+  stride, offset = _markers(num_leaves)
+  n, rest = divmod(m - offset, stride)
+  return n if rest == 0 and 0 <= n < num_leaves else None
+
+
+def _state_leaves(state_out, pos, tree, like, state0: tuple) -> tuple[tuple[int, ...], ...]:
+  """Which output leaves are each state argument's new value, found by position, not identity.
+
+  `state_out` is applied to `fun`'s output structure with integer markers of the leaf positions
+  in place of the leaves, so a selection (``out[0][1]``, even wrapped in `stop_gradient`) says
+  exactly which leaves it picked.
+  """
+  if not pos.states:
+    return ()
+  num = tree.num_leaves
+  stride, offset = _markers(num)
+  try:
+    with jax.ensure_compile_time_eval():  # so that e.g. stop_gradient(marker) stays concrete
+      picked = state_out(jax.tree.unflatten(tree, [n * stride + offset for n in range(num)]))
+  except Exception as e:
+    what = f"raised {type(e).__name__}: {e}"
+    raise ValueError(STATE_OUT_NOT_SELECTION.format(what=what)) from e
+  picked = (picked,) if pos.single_state else tuple(picked)
+  if len(picked) != len(state0):
+    raise ValueError(
+      f"microbatch: state_out returned {len(picked)} states for state_argnums={pos.states}."
+    )
+  found = []
+  for j, p, s in zip(pos.states, picked, state0, strict=True):
+    _check_state_tree(j, p, s)
+    for path, x in jax.tree.leaves_with_path(p):
+      if _position(x, num) is None:
+        what = f"returned {x!r} at state {j}{jax.tree_util.keystr(path)}, not a marker"
+        raise ValueError(STATE_OUT_NOT_SELECTION.format(what=what))
+    found.append(tuple(_position(x, num) for x in jax.tree.leaves(p)))
+  _check_state_shapes(pos.states, [[like[n] for n in f] for f in found], state0)
+  return tuple(found)
+
+
+def _check_state_tree(j: int, picked: Any, state: Any) -> None:
+  if jax.tree.structure(picked) != jax.tree.structure(state):
+    raise ValueError(
+      f"microbatch: state_out's new state for argument {j} has another tree than the "
+      f"argument:\n  new:      {jax.tree.structure(picked)}\n"
+      f"  argument: {jax.tree.structure(state)}"
+    )
+
+
+def _check_state_shapes(states: tuple[int, ...], new: list[list[Any]], state0: tuple) -> None:
+  bad = [
+    f"  argument {j}{jax.tree_util.keystr(p)}: new {jnp.shape(x)}, argument {jnp.shape(y)}"
+    for j, n, s in zip(states, new, state0, strict=True)
+    for x, (p, y) in zip(n, jax.tree.leaves_with_path(s), strict=True)
+    if jnp.shape(x) != jnp.shape(y)
+  ]
+  if bad:
+    raise ValueError("microbatch: state_out's new state changes shapes:\n" + "\n".join(bad))
+
+
+def _check_concat(concat: list[tuple[int, Any]], b: int, opts: _Options) -> None:
+  """'concat' outputs need an example axis to join along (of size b with the strided split)."""
+  strided = opts.split == "strided"
+  bad = [
+    f"  output leaf {n}: shape {x.shape}"
+    for n, x in concat
+    if not x.shape or (strided and x.shape[0] != b)
+  ]
+  if bad:
+    need = (
+      f"a leading axis of size {b} (one row per example)"
+      if strided
+      else "a leading axis to concatenate along"
+    )
+    raise ValueError(
+      f"microbatch: reduction 'concat' needs {need}; with {opts.k} micro-batches of {b} "
+      "examples these outputs have none:\n"
+      + "\n".join(bad)
+      + "\nUse 'mean'/'sum'/'last' for them, or (for outputs with several rows per example) "
+      "split='contiguous'."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop: its carry, its body, and what comes out of it.
+
+
+def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Carry:
+  """The initial carry, with the device variance of what the loop writes into it.
+
+  A loop carry must keep its type: zeros built from constants are invariant, while what the
+  body writes varies wherever the micro-batch values (or the weights) do.
+  """
+  like = plan.like
+  means_t, sums_t, last_t = (plan.pick(like, r) for r in ("mean", "sum", "last"))
+  vary = _collectives.match_variance
+  return _Carry(
+    # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
+    means=vary(vary(_core.zeros(means_t, opts.accum_dtype), means_t), [plan.total] * len(means_t)),
+    sums=vary(_core.zeros(sums_t, opts.accum_dtype), sums_t),
+    total=vary(jnp.zeros((), jnp.float32), plan.total),
+    last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
+    rows=[vary(_batch.zeros_split(t, opts.k, opts.split), t) for t in plan.pick(like, "concat")],
+    state=vary(state0, _state_like(plan, state0)),
+    operands=operands,
+  )
+
+
+def _state_like(plan: _Outputs, state: tuple) -> tuple:
+  """The output leaves that are the new state, in the state arguments' structure."""
+  return tuple(
+    jax.tree.unflatten(jax.tree.structure(s), [plan.like[n] for n in leaves])
+    for s, leaves in zip(state, plan.state, strict=True)
+  )
+
+
+def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _Outputs) -> _Carry:
+  """Micro-batch ``i``: call `fun`, add its outputs to the sums, keep its state."""
+  out, w = _call(opts, pos, carry.operands, carry.state, i)
+  leaves = plan.tree.flatten_up_to(out)
+  means, total, _ = _core.add(
+    carry.means, carry.total, plan.pick(leaves, "mean"), w, skip_nonfinite=False
+  )
+  # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
+  sums, _, _ = _core.add(carry.sums, total, plan.pick(leaves, "sum"), None, skip_nonfinite=False)
+  rows = [
+    _batch.put(r, y, i, opts.split)
+    for r, y in zip(carry.rows, plan.pick(leaves, "concat"), strict=True)
+  ]
+  state = _new_state(plan, leaves, carry.state)
+  new = _Carry(means, sums, total, plan.pick(leaves, "last"), rows, state, carry.operands)
+  return _collectives.match_variance(new, carry)
+
+
+def _new_state(plan: _Outputs, leaves: list[Any], state: tuple) -> tuple:
+  """The selected output `leaves` as the new state, in the state's structure and dtypes."""
+  new = []
+  for s, positions in zip(state, plan.state, strict=True):
+    old = jax.tree.leaves(s)
+    values = [leaves[n].astype(x.dtype) for n, x in zip(positions, old, strict=True)]
+    new.append(jax.tree.unflatten(jax.tree.structure(s), values))
+  return tuple(new)
+
+
+def _finish(opts: _Options, plan: _Outputs, carry: _Carry) -> Any:
+  """Once, after the loop: the sums and the weight in one all-reduce, then normalised."""
+  means, sums, total = _collectives.reduce((carry.means, carry.sums, carry.total), opts.axis_name)
+  values = {
+    "mean": _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean"),
+    "sum": _core.normalise(sums, total, plan.pick(plan.like, "sum"), "sum"),
+    "last": carry.last,
+    "concat": [_batch.unsplit(y) for y in carry.rows],
+  }
+  results: list[Any] = [None] * len(plan.like)
+  for kind, vals in values.items():
+    indices = [n for n, r in enumerate(plan.kinds) if r == kind]
+    for n, v in zip(indices, vals, strict=True):
+      results[n] = v
+  for s, leaves in zip(carry.state, plan.state, strict=True):
+    for n, x in zip(leaves, jax.tree.leaves(s), strict=True):
+      results[n] = x.astype(plan.like[n].dtype)
+  return jax.tree.unflatten(plan.tree, results)

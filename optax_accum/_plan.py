@@ -116,9 +116,8 @@ def plan_microbatches(
   if "num_microbatches" in microbatch_kwargs:
     raise TypeError("plan_microbatches: num_microbatches is what it chooses; do not pass it.")
   limit = _check_limit(memory_limit)
-  batch = _batch.check_argnums("batch_argnums", microbatch_kwargs.get("batch_argnums", 1))
-  batch = _batch.resolve("batch_argnums", batch, len(args))
-  size = _batch.batch_size(args, batch, 1)
+  pos = _batch.positions(microbatch_kwargs.get("batch_argnums", 1), (), ())
+  size = _batch.batch_size(args, _batch.resolve(pos, len(args)).batch, 1)
   candidates = _divisors(size)
   peaks: dict[int, int] = {}
 

@@ -2,6 +2,7 @@
 
 import re
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,12 +44,6 @@ def _data(batch=32, dim=6, classes=3, seed=1):
   return x, jnp.asarray(rng.integers(0, classes, size=batch), jnp.int32)
 
 
-def _assert_trees_close(a, b, **tol):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), **(tol or TOL))
-
-
 # ----------------------------------------------------------------------------------------------
 # Equivalence with the large batch.
 
@@ -64,7 +59,7 @@ def test_microbatch_value_and_grad_matches_large_batch(k, split, jit):
   want = _mlp_value_and_grad(params, x, y)
   step = microbatch(jax.value_and_grad(_mlp_loss), k, batch_argnums=(1, 2), split=split)
   got = (jax.jit(step) if jit else step)(params, x, y)
-  _assert_trees_close(got, want)
+  chex.assert_trees_all_close(got, want, **TOL)
 
 
 def _token_loss(w, x, mask):
@@ -97,7 +92,7 @@ def test_microbatch_weight_fn_gives_global_token_mean(split):
   weighted = microbatch(
     vg, 4, batch_argnums=(1, 2), split=split, weight_fn=lambda w, x, m: jnp.sum(m)
   )
-  _assert_trees_close(jax.jit(weighted)(w, x, mask), want)
+  chex.assert_trees_all_close(jax.jit(weighted)(w, x, mask), want, **TOL)
   # Without weights each micro-batch's token mean counts the same: a mean of means, which is
   # not the large batch's token mean when micro-batches hold different numbers of tokens.
   plain = microbatch(vg, 4, batch_argnums=(1, 2), split=split)(w, x, mask)
@@ -179,7 +174,7 @@ def test_microbatch_k1_calls_fun_directly():
   jaxpr = str(jax.make_jaxpr(step)(params, x, y))
   assert "scan" not in jaxpr and "while" not in jaxpr
   want = _mlp_value_and_grad(params, x, y)
-  _assert_trees_close(jax.jit(step)(params, x, y), want, rtol=0, atol=0)
+  chex.assert_trees_all_equal(jax.jit(step)(params, x, y), want)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -220,7 +215,7 @@ def test_microbatch_dropout_grads_deterministic():
   w, x = _mlp_params(5, (6, 4))[0]["w"], _data()[0]
   step = jax.jit(microbatch(jax.value_and_grad(loss), 4, rng_argnums=2))
   a, b = step(w, x, jax.random.key(7)), step(w, x, jax.random.key(7))
-  _assert_trees_close(a, b, rtol=0, atol=0)
+  chex.assert_trees_all_equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -254,7 +249,7 @@ def test_microbatch_state_threads_like_sequential_small_steps(split):
     grads.append(g)
   np.testing.assert_allclose(loss, np.mean(losses), **TOL)
   np.testing.assert_allclose(grad, np.mean(grads, axis=0), **TOL)
-  _assert_trees_close(new_stats, state)
+  chex.assert_trees_all_close(new_stats, state, **TOL)
 
 
 def test_microbatch_threads_flax_batch_stats():
@@ -285,11 +280,63 @@ def test_microbatch_threads_flax_batch_stats():
     values.append(v)
     all_grads.append(g)
   np.testing.assert_allclose(value, np.mean(values), **TOL)
-  _assert_trees_close(grads, jax.tree.map(lambda *g: jnp.mean(jnp.stack(g), 0), *all_grads))
-  _assert_trees_close(stats, state)
+  chex.assert_trees_all_close(
+    grads, jax.tree.map(lambda *g: jnp.mean(jnp.stack(g), 0), *all_grads), **TOL
+  )
+  chex.assert_trees_all_close(stats, state, **TOL)
   assert not np.allclose(
     stats["BatchNorm_0"]["mean"], variables["batch_stats"]["BatchNorm_0"]["mean"]
   )
+
+
+def _running_sum(w, x, s):
+  """A loss and a state that adds up the micro-batch's rows: order-sensitive, easy by hand."""
+  return jnp.sum(x * w), s + jnp.sum(x)
+
+
+@pytest.mark.parametrize(
+  "state_out",
+  [lambda out: out[1], lambda out: jax.lax.stop_gradient(out[1])],
+  ids=["select", "stop_gradient"],
+)
+def test_microbatch_state_found_by_position_regression_issue_9(state_out):
+  # Issue 9: outputs were matched to the state by Python identity, so `stop_gradient(out[1])`
+  # (a new object) was not recognised and the state leaf came back as the "mean" of the
+  # intermediate states (15.0) instead of the final state (28.0).
+  k, x = 4, np.arange(8.0, dtype=np.float32)
+  f = microbatch(_running_sum, k, state_argnums=2, state_out=state_out)
+  loss, state = jax.jit(f)(1.0, jnp.asarray(x), jnp.float32(0.0))
+  want_state, losses = 0.0, []
+  for i in range(k):  # k sequential small steps on the strided rows, by hand
+    losses.append(np.sum(x[i::k]))
+    want_state += np.sum(x[i::k])
+  assert state == want_state == 28.0
+  assert loss == np.mean(losses)
+
+
+@pytest.mark.parametrize(
+  "state_out, match",
+  [
+    (lambda out: out[1] * 2, r"it returned .* at state 2, not a marker"),
+    (lambda out: out[1] + 1, r"it returned .* at state 2, not a marker"),
+    (lambda out: jnp.asarray(out[1], jnp.float32), r"it returned .* at state 2, not a marker"),
+    (lambda out: out[1].astype(jnp.float32), r"it raised AttributeError"),
+    (lambda out: out["state"], r"it raised TypeError"),
+  ],
+)
+def test_microbatch_rejects_state_out_that_computes(state_out, match):
+  f = microbatch(_running_sum, 2, state_argnums=2, state_out=state_out)
+  with pytest.raises(ValueError, match=r"state_out must \*select\* the new state(.|\n)*" + match):
+    f(1.0, jnp.ones(4), jnp.float32(0.0))
+
+
+def test_microbatch_rejects_state_out_of_wrong_count_or_tree():
+  f = microbatch(_running_sum, 2, state_argnums=(2,), state_out=lambda out: (out[1], out[1]))
+  with pytest.raises(ValueError, match=r"state_out returned 2 states for state_argnums=\(2,\)"):
+    f(1.0, jnp.ones(4), jnp.float32(0.0))
+  f = microbatch(_running_sum, 2, state_argnums=2, state_out=lambda out: out)
+  with pytest.raises(ValueError, match="new state for argument 2 has another tree"):
+    f(1.0, jnp.ones(4), jnp.float32(0.0))
 
 
 def test_microbatch_rejects_state_out_of_other_shape():
@@ -380,7 +427,7 @@ def test_microbatch_composes_with_checkpoint_and_accumulate():
   want = optax.apply_updates(
     params, jax.tree.map(lambda g: -0.5 * g, jax.jit(jax.grad(_mlp_loss))(params, x, y))
   )
-  _assert_trees_close(p, want)
+  chex.assert_trees_all_close(p, want, **TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -400,7 +447,7 @@ def test_microbatch_axis_name_matches_single_device_large_batch():
   )
   sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("d"), P("d")), out_specs=P()))
   data = jax.device_put((x, mask), NamedSharding(mesh, P("d")))
-  _assert_trees_close(sharded(w, *data), want)
+  chex.assert_trees_all_close(sharded(w, *data), want, **TOL)
   # The reduction runs once, after the loop: no collective inside the scan body.
   jaxpr = jax.make_jaxpr(sharded)(w, *data).jaxpr
   (scan,) = _find(jaxpr, "scan")
