@@ -257,6 +257,12 @@ def max_abs_diff(a: Any, b: Any) -> float:
 AXIS = "data"
 
 
+@functools.cache
+def mesh(shape: tuple[int, ...] = (8,), axes: tuple[str, ...] = (AXIS,)) -> Mesh:
+  """A mesh of conftest's 8 host CPU devices (made on first use, never at import)."""
+  return jax.make_mesh(shape, axes)
+
+
 def shard(tree: Any, mesh: Mesh, spec: P) -> Any:
   """Host values as global arrays on `mesh`, split by `spec`. Every process builds its own shards
   from the same host value, so this works with one process or many."""
@@ -289,7 +295,7 @@ def accumulate_step(
 
   def micro_step(params, state, batch):
     p = lax.pcast(params, axis, to="varying") if local else params
-    kw = {"emit": emit}
+    kw = {} if emit is None else {"emit": emit}
     if weight_fn is not None:
       kw["weight"] = weight_fn(batch)
     if force_emit_fn is not None:

@@ -1,12 +1,17 @@
-"""Many devices: data parallelism with `shard_map`/`pmap`, GSPMD shardings, collective counts.
+"""Many devices: data parallelism with `shard_map`/`pmap`, GSPMD shardings, partition specs.
 
-Every equivalence test compares with the single-device large batch: the micro-batches of every
-device concatenated, one `jax.grad` of the global (token-weighted) mean loss, one `optax.adam`
-step. The 8 devices are conftest's host CPU devices.
+Every equivalence test compares with the single-device large batch (`_reference.run_steps`): the
+micro-batches of every device concatenated, one `jax.grad` of the global (token-weighted) mean
+loss, one plain optax step. The data-parallel side is `_reference.train_data_parallel`. The 8
+devices are conftest's host CPU devices. The collectives in the compiled programs (one
+all-reduce per update) are guarded in test_structure.py.
 """
 
+import math
 import warnings
 
+import _reference as ref
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,404 +22,218 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _hlo, count_collectives, microbatch, state_partition_specs
+from optax_accum import microbatch, state_partition_specs
 
-AX = "data"
+AX = ref.AXIS
 D = 8  # devices
 B = 3  # rows per micro-batch per device
 F = 5  # features
-# Adam divides by sqrt(v): the first steps are ~lr * sign(g), so float32 rounding in g (sums in
-# another order) shows up at ~1e-6 relative in the parameters.
+P0 = ref.mlp_params(0, (F, 2))  # a linear model
+# Sums over the devices' rows in another order than the large batch's sum; Adam's first steps
+# are ~lr * sign(g), so its parameters show that rounding at ~1e-6 relative.
 TOL = dict(rtol=2e-5, atol=2e-6)
 
 
-def _mesh():
-  return jax.make_mesh((D,), (AX,))
-
-
-def _params(seed=0):
-  r = np.random.default_rng(seed)
-  return {
-    "w": jnp.asarray(r.normal(size=(F, 2)), jnp.float32),
-    "b": jnp.asarray(r.normal(size=(2,)), jnp.float32),
-  }
-
-
-def _data(windows, k, *, weighted, seed=1, uneven=False):
-  """x, y, mask of shape (windows, k, D, B, ...): micro-step i of window t, device d."""
-  r = np.random.default_rng(seed)
-  x = r.normal(size=(windows, k, D, B, F)).astype(np.float32)
-  y = r.normal(size=(windows, k, D, B, 2)).astype(np.float32)
-  if uneven:  # device d keeps only its first 1 + d % B rows: token counts 1..B
-    m = (np.arange(B)[None, None, None, :] <= (np.arange(D) % B)[None, None, :, None]) * 1.0
-    m = np.broadcast_to(m, (windows, k, D, B)).astype(np.float32)
-  elif weighted:
-    m = r.integers(0, 2, size=(windows, k, D, B)).astype(np.float32)
-    m[..., 0] = 1.0  # every micro-batch has at least one real row
+def micro_batches(n, mask="ones", seed=1):
+  """`n` global micro-batches of D·B rows ``{"x", "y", "mask"}``; device d holds rows d·B to
+  d·B + B - 1 of each. `mask` (1 = a real row, the token weight): "ones"; "random" (each
+  device's first row real); "uneven" (device d has 1 + d % B real rows)."""
+  data = ref.regression_data(seed, n * D * B, F, 2)
+  if mask == "random":
+    m = np.random.default_rng(seed + 1).integers(0, 2, size=(n, D, B))
+    m[..., 0] = 1
+  elif mask == "uneven":
+    m = np.broadcast_to(np.arange(B)[None, None, :] <= (np.arange(D) % B)[None, :, None], (n, D, B))
   else:
-    m = np.ones((windows, k, D, B), np.float32)
-  return jnp.asarray(x), jnp.asarray(y), jnp.asarray(m)
+    m = np.ones((n, D, B))
+  data["mask"] = m.reshape(-1).astype(np.float32)
+  return ref.split(data, n)
 
 
-def _loss(p, x, y, m):
-  """Token-weighted mean squared error over the real (m == 1) rows."""
-  err = jnp.sum((x @ p["w"] + p["b"] - y) ** 2, -1)
-  return jnp.sum(err * m) / jnp.sum(m)
+def device_batches(mbs):
+  """Each device's own rows of the micro-batches `mbs`, concatenated: a list of D batches."""
+  per_device = [ref.split(mb, D) for mb in mbs]
+  return [ref.concat([rows[d] for rows in per_device]) for d in range(D)]
 
 
-def _large_batch(params, x, y, m, inner):
-  """One `inner` step per window on the window's whole batch (all micro-steps, all devices)."""
-  state = inner.init(params)
-  for t in range(x.shape[0]):
-    flat = [a[t].reshape(-1, *a.shape[4:]) for a in (x, y, m)]
-    g = jax.grad(_loss)(params, *flat)
-    u, state = inner.update(g, state, params)
-    params = optax.apply_updates(params, u)
-  return params
+def sum_of_device_means(params, batches):
+  """Σ over devices of each device's own mean loss (`batches` from `device_batches`)."""
+  return sum(ref.mlp_loss(params, b) for b in batches)
 
 
-def _device_grads(params, x, y, m):
-  """Each device's gradient of its own rows in window 0 (all its micro-steps), stacked."""
-  rows = [jnp.swapaxes(a[0], 0, 1).reshape(D, -1, *a.shape[4:]) for a in (x, y, m)]
-  return jax.vmap(jax.grad(_loss), in_axes=(None, 0, 0, 0))(params, *rows)
+def token_sum(params, batch):
+  """The sum (not the mean) of the per-row losses over the real rows."""
+  return ref.mlp_loss(params, batch) * ref.token_count(batch)
 
 
-def _dp_step(tx, *, weighted, local=True):
-  """A data-parallel micro-step: per-device gradient of the local loss, `tx.update`, apply."""
-
-  def step(params, state, x, y, m):
-    p = lax.pcast(params, AX, to="varying") if local else params
-    g = jax.grad(_loss)(p, x[0], y[0], m[0])
-    w = jnp.sum(m[0]) if weighted else None
-    u, state = tx.update(g, state, params, weight=w)
-    return optax.apply_updates(params, u), state
-
-  return step
-
-
-def _train(tx, params, x, y, m, *, weighted, local=True):
-  """Init in one jitted shard_map, then one jitted shard_map call per micro-step."""
-  mesh = _mesh()
-  pspecs = jax.tree.map(lambda _: P(), params)
-  sspecs = state_partition_specs(tx, pspecs, AX)
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs))
-  step = jax.jit(
-    jax.shard_map(
-      _dp_step(tx, weighted=weighted, local=local),
-      mesh=mesh,
-      in_specs=(pspecs, sspecs, P(AX), P(AX), P(AX)),
-      out_specs=(pspecs, sspecs),
-    )
-  )
-  shard = NamedSharding(mesh, P(AX))
-  state = init(params)
-  for t in range(x.shape[0]):
-    for i in range(x.shape[1]):
-      batch = [jax.device_put(a[t, i], shard) for a in (x, y, m)]
-      params, state = step(params, state, *batch)
-  return params, state
-
-
-@pytest.mark.parametrize(("k", "weighted"), [(1, True), (3, False), (3, True)])
-def test_accumulate_data_parallel_matches_large_batch(k, weighted):
-  params = _params()
-  x, y, m = _data(2, k, weighted=weighted)
-  tx = optax_accum.accumulate(optax.adam(0.1), k, axis_name=AX)
-  got, state = _train(tx, params, x, y, m, weighted=weighted)
-  want = _large_batch(params, x, y, m, optax.adam(0.1))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+@pytest.mark.parametrize(
+  ("k", "weighted", "name"), [(1, True, "adam"), (3, False, "adam"), (3, True, "momentum")]
+)
+def test_accumulate_data_parallel_matches_large_batch(k, weighted, name):
+  # Momentum for the weighted windows: Adam is blind to a gradient's scale, SGD is not.
+  inner = ref.OPTIMIZERS[name]
+  mbs = micro_batches(2 * k, "random" if weighted else "ones")
+  tx = optax_accum.accumulate(inner, k, axis_name=AX)
+  weight_fn = ref.token_count if weighted else None
+  got, state = ref.train_data_parallel(tx, P0, mbs, ref.mesh(), weight_fn=weight_fn)
+  want, _ = ref.run_steps(inner, P0, ref.mlp_loss, ref.windows(mbs, k))
+  assert ref.max_abs_diff(want, P0) > 1e-2  # it trained
+  chex.assert_trees_all_close(got, want, **TOL)
   assert int(state.gradient_step) == 2
   assert int(state.mini_step) == 0
   if k > 1:  # per-device partial sums, stacked over the data axis
-    assert state.acc_grads["w"].shape == (D, F, 2)
-    assert state.acc_grads["w"].sharding.spec == P(AX, None, None)
+    assert state.acc_grads["w0"].shape == (D, F, 2)
+    assert state.acc_grads["w0"].sharding.spec == P(AX, None, None)
     assert state.acc_weight.shape == (D,) and state.acc_weight.sharding.spec == P(AX)
 
 
 def test_accumulate_uneven_tokens_is_global_token_mean():
-  params = _params()
   k = 2
-  x, y, m = _data(1, k, weighted=True, uneven=True)
-  inner = optax.sgd(1.0)  # sgd: the update is exactly -g, so the two means are comparable
-  tx = optax_accum.accumulate(inner, k, axis_name=AX)
-  got, _ = _train(tx, params, x, y, m, weighted=True)
-  want = _large_batch(params, x, y, m, inner)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
-  # The mean of per-device means (Levanter's choice) is a different, wrong answer here.
-  per_device = _device_grads(params, x, y, m)
-  mean_of_means = optax.apply_updates(params, jax.tree.map(lambda g: -g.mean(0), per_device))
-  gaps = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got, mean_of_means)
-  gap = max(jax.tree.leaves(gaps))
-  assert gap > 1e-2
+  mbs = micro_batches(k, "uneven")
+  tx = optax_accum.accumulate(ref.SGD, k, axis_name=AX)
+  got, _ = ref.train_data_parallel(tx, P0, mbs, ref.mesh(), weight_fn=ref.token_count)
+  want, _ = ref.run_steps(ref.SGD, P0, ref.mlp_loss, ref.windows(mbs, k))
+  chex.assert_trees_all_close(got, want, **TOL)
+  # The mean of per-device means (Levanter's choice) is a different, wrong answer here. SGD: the
+  # update is -lr * g, so the two means are directly comparable.
+  grads = [jax.grad(ref.mlp_loss)(P0, b) for b in device_batches(mbs)]
+  mean_of_means = jax.tree.map(lambda p, *g: p - 0.1 * sum(g) / D, P0, *grads)
+  assert ref.max_abs_diff(got, mean_of_means) > 1e-3
 
 
 @pytest.mark.parametrize("k", [1, 3])
 def test_accumulate_nonfinite_on_one_device_drops_only_its_micro_batch(k):
-  params = _params()
-  x, y, m = _data(1, k, weighted=True)
   bad_device = 3
-  x_bad = x.at[0, 0, bad_device, 0, 0].set(jnp.nan)
-  tx = optax_accum.accumulate(optax.adam(0.1), k, axis_name=AX)
-  got, state = _train(tx, params, x_bad, y, m, weighted=True)
+  mbs = micro_batches(k, "random")
+  poisoned = [dict(mb) for mb in mbs]
+  poisoned[0]["x"] = mbs[0]["x"].copy()
+  poisoned[0]["x"][bad_device * B, 0] = math.nan
+  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=AX)
+  got, state = ref.train_data_parallel(tx, P0, poisoned, ref.mesh(), weight_fn=ref.token_count)
   # The large batch without that device's first micro-batch (its rows get no weight).
-  m_ref = m.at[0, 0, bad_device].set(0.0)
-  want = _large_batch(params, x, y, m_ref, optax.adam(0.1))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+  dropped = [dict(mb) for mb in mbs]
+  dropped[0]["mask"] = mbs[0]["mask"].copy()
+  dropped[0]["mask"][bad_device * B : (bad_device + 1) * B] = 0.0
+  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(dropped, k))
+  chex.assert_trees_all_close(got, want, **TOL)
   np.testing.assert_array_equal(state.num_skipped, np.eye(D, dtype=np.int32)[bad_device])
 
 
 def test_accumulate_over_two_mesh_axes():
   """axis_name=("x", "y"): data parallel over every device of a 2x4 mesh, sums stacked over both."""
-  mesh = jax.make_mesh((2, 4), ("x", "y"))
   axes = ("x", "y")
-  params = _params()
   k = 2
-  x, y, m = _data(1, k, weighted=True)
-  tx = optax_accum.accumulate(optax.adam(0.1), k, axis_name=axes)
-  pspecs = jax.tree.map(lambda _: P(), params)
-  sspecs = state_partition_specs(tx, pspecs, axes)
-  assert sspecs.acc_grads["w"] == P(axes)
+  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=axes)
+  sspecs = state_partition_specs(tx, jax.tree.map(lambda _: P(), P0), axes)
+  assert sspecs.acc_grads["w0"] == P(axes)
+  mbs = micro_batches(k, "random")
+  mesh = ref.mesh((2, 4), axes)
+  got, _ = ref.train_data_parallel(tx, P0, mbs, mesh, axes, weight_fn=ref.token_count)
+  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  chex.assert_trees_all_close(got, want, **TOL)
 
-  def step(params, state, x, y, m):
-    g = jax.grad(_loss)(lax.pcast(params, axes, to="varying"), x[0], y[0], m[0])
-    u, state = tx.update(g, state, params, weight=jnp.sum(m[0]))
-    return optax.apply_updates(params, u), state
 
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs))
-  step = jax.jit(
-    jax.shard_map(
-      step,
-      mesh=mesh,
-      in_specs=(pspecs, sspecs, P(axes), P(axes), P(axes)),
-      out_specs=(pspecs, sspecs),
-    )
-  )
-  state, p = init(params), params
-  for i in range(k):
-    p, state = step(
-      p, state, *(jax.device_put(a[0, i], NamedSharding(mesh, P(axes))) for a in (x, y, m))
-    )
-  want = _large_batch(params, x, y, m, optax.adam(0.1))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, want)
+def _replicated_steps(reduction, loss_of_device, mbs):
+  """A whole window in one shard_map, gradients w.r.t. the replicated (not device-varying)
+  parameters: already all-reduced by autodiff. Returns the parameters; asserts the warning."""
+  tx = optax_accum.accumulate(ref.SGD, len(mbs), reduction=reduction, axis_name=AX)
+  pspecs = jax.tree.map(lambda _: P(), P0)
+
+  def steps(p, batches):
+    state = tx.init(p)
+    for i in range(len(mbs)):
+      g = jax.grad(loss_of_device)(p, jax.tree.map(lambda a, i=i: a[i], batches))
+      u, state = tx.update(g, state, p)
+      p = optax.apply_updates(p, u)
+    return p
+
+  spec = P(None, AX)  # the micro-batches stacked on a leading axis; rows over the devices
+  f = jax.jit(jax.shard_map(steps, mesh=ref.mesh(), in_specs=(pspecs, spec), out_specs=pspecs))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    out = f(P0, ref.shard(ref.stack(mbs), ref.mesh(), spec))
+  assert any("already reduced over 'data'" in str(w.message) for w in caught)
+  return out
 
 
 def test_accumulate_already_reduced_gradients_are_not_reduced_twice():
   """Gradients w.r.t. replicated parameters come all-reduced: warn, and use them as they are."""
-  params = _params()
-  k = 2
-  x, y, m = _data(1, k, weighted=False)
-  inner = optax.sgd(1.0)
-
-  def run(reduction, loss_of_device):
-    tx = optax_accum.accumulate(inner, k, reduction=reduction, axis_name=AX)
-    mesh = _mesh()
-    pspecs = jax.tree.map(lambda _: P(), params)
-    sspecs = state_partition_specs(tx, pspecs, AX)
-
-    def steps(p, x, y, m):
-      state = tx.init(p)
-      for i in range(k):
-        g = jax.grad(loss_of_device)(p, x[i], y[i], m[i])  # replicated p: all-reduced grads
-        u, state = tx.update(g, state, p)
-        p = optax.apply_updates(p, u)
-      return p
-
-    spec = P(None, AX)
-    f = jax.jit(
-      jax.shard_map(steps, mesh=mesh, in_specs=(pspecs, spec, spec, spec), out_specs=pspecs)
-    )
-    del sspecs
-    shard = NamedSharding(mesh, spec)
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter("always")
-      out = f(params, *(jax.device_put(a[0], shard) for a in (x, y, m)))
-    assert any("already reduced over 'data'" in str(w.message) for w in caught)
-    return out
+  mbs = micro_batches(2)
 
   # A global (pmean) loss: its gradient is the large-batch one; "mean" is not reduced again.
-  got = run("mean", lambda *a: lax.pmean(_loss(*a), AX))
-  want = _large_batch(params, x, y, m, inner)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+  got = _replicated_steps("mean", lambda p, b: lax.pmean(ref.mlp_loss(p, b), AX), mbs)
+  want, _ = ref.run_steps(ref.SGD, P0, ref.mlp_loss, ref.windows(mbs, 2))
+  chex.assert_trees_all_close(got, want, **TOL)
 
   # "sum" of a psum loss: the large batch's sum over micro-batches, not D times it.
-  def sum_loss(p, x, y, m):
-    return jnp.sum(jnp.sum((x @ p["w"] + p["b"] - y) ** 2, -1) * m)
-
-  got = run("sum", lambda *a: lax.psum(sum_loss(*a), AX))
-  flat = [a[0].reshape(-1, *a.shape[4:]) for a in (x, y, m)]
-  want = optax.apply_updates(params, jax.tree.map(jnp.negative, jax.grad(sum_loss)(params, *flat)))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5), got, want)
+  got = _replicated_steps("sum", lambda p, b: lax.psum(token_sum(p, b), AX), mbs)
+  want, _ = ref.run_steps(ref.SGD, P0, token_sum, ref.windows(mbs, 2))
+  chex.assert_trees_all_close(got, want, **TOL)
 
   # A device-local mean loss: autodiff returns the SUM over devices of the local gradients
   # (the transpose of the implicit broadcast is a psum), and accumulate keeps it as it is.
-  got = run("mean", _loss)
-  g_sum = jax.tree.map(lambda g: g.sum(0), _device_grads(params, x, y, m))
-  want = optax.apply_updates(params, jax.tree.map(jnp.negative, g_sum))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), got, want)
+  got = _replicated_steps("mean", ref.mlp_loss, mbs)
+  want, _ = ref.run_steps(ref.SGD, P0, sum_of_device_means, [device_batches(mbs)])
+  chex.assert_trees_all_close(got, want, **TOL)
 
 
 def test_accumulate_already_reduced_gradients_with_device_weights_raise():
-  params = _params()
-  x, y, m = _data(1, 1, weighted=True)
-  tx = optax_accum.accumulate(optax.sgd(1.0), 2, axis_name=AX)
-  mesh = _mesh()
-  pspecs = jax.tree.map(lambda _: P(), params)
-  sspecs = state_partition_specs(tx, pspecs, AX)
-  step = jax.shard_map(
-    _dp_step(tx, weighted=True, local=False),
-    mesh=mesh,
-    in_specs=(pspecs, sspecs, P(AX), P(AX), P(AX)),
-    out_specs=(pspecs, sspecs),
-  )
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs))(params)
-  shard = NamedSharding(mesh, P(AX))
-  batch = [jax.device_put(a[0, 0], shard) for a in (x, y, m)]
+  tx = optax_accum.accumulate(ref.SGD, 2, axis_name=AX)
+  dp = ref.data_parallel(tx, P0, ref.mesh(), local=False, weight_fn=ref.token_count)
+  (mb,) = micro_batches(1, "random")
   with pytest.raises(ValueError, match="`weight` differs per device but the gradients were"):
-    jax.jit(step)(params, state, *batch)
+    dp.step(P0, dp.init(P0), ref.shard(mb, ref.mesh(), P(AX)))
 
 
 def test_accumulate_pmap_matches_large_batch():
-  params = _params()
   k = 2
-  x, y, m = _data(2, k, weighted=True)
-  tx = optax_accum.accumulate(optax.adam(0.1), k, axis_name=AX)
+  mbs = micro_batches(2 * k, "random")
+  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=AX)
   # pmap maps every input and output: the state is stacked over the devices, inner state too.
-  state = jax.pmap(lambda _: tx.init(params), axis_name=AX)(jnp.arange(D))
-  step = jax.pmap(
-    _dp_step(tx, weighted=True, local=False), axis_name=AX, in_axes=(None, 0, 0, 0, 0)
-  )
-  p = params
-  for t in range(2):
-    for i in range(k):
-      # pmap's gradients are local already; every device returns the same parameters.
-      p_all, state = step(p, state, *(a[t, i][:, None] for a in (x, y, m)))
-      p = jax.tree.map(lambda a: a[0], p_all)
-  want = _large_batch(params, x, y, m, optax.adam(0.1))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, want)
+  state = jax.pmap(lambda _: tx.init(P0), axis_name=AX)(jnp.arange(D))
+  # pmap's gradients are local already (no pcast); every device returns the same parameters.
+  fn = ref.accumulate_step(tx, ref.mlp_loss, AX, local=False, weight_fn=ref.token_count)
+  step = jax.pmap(fn, axis_name=AX, in_axes=(None, 0, 0))
+  params = P0
+  for mb in mbs:
+    per_device = jax.tree.map(lambda a: a.reshape(D, B, *a.shape[1:]), mb)
+    params_all, state = step(params, state, per_device)
+    params = jax.tree.map(lambda a: a[0], params_all)
+  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  chex.assert_trees_all_close(params, want, **TOL)
 
 
 # ----------------------------------------------------------------------------------------------
 # microbatch(axis_name=...)
 
 
-def _mb_step(k, *, weighted, inner):
-  def step(params, opt_state, x, y, m):
-    def grad_fn(p, x, y, m):
-      return jax.grad(_loss)(p, x, y, m)
+def microbatch_step(inner, k, weighted):
+  """A data-parallel step: `microbatch`'s gradient over the device's rows, then `inner`."""
+  weight_fn = (lambda p, batch: ref.token_count(batch)) if weighted else None
+  grad_fn = microbatch(jax.grad(ref.mlp_loss), k, weight_fn=weight_fn, axis_name=AX)
 
-    weight_fn = (lambda p, x, y, m: jnp.sum(m)) if weighted else None
-    g = microbatch(grad_fn, k, batch_argnums=(1, 2, 3), weight_fn=weight_fn, axis_name=AX)(
-      params, x, y, m
-    )
-    u, opt_state = inner.update(g, opt_state, params)
-    return optax.apply_updates(params, u), opt_state
+  def step(params, opt_state, batch):
+    updates, opt_state = inner.update(grad_fn(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
   return step
-
-
-def _mb_program(k, *, weighted, inner, params):
-  mesh = _mesh()
-  pspecs = jax.tree.map(lambda _: P(), params)
-  ospecs = state_partition_specs(inner, pspecs, None)
-  return jax.jit(
-    jax.shard_map(
-      _mb_step(k, weighted=weighted, inner=inner),
-      mesh=mesh,
-      in_specs=(pspecs, ospecs, P(AX), P(AX), P(AX)),
-      out_specs=(pspecs, ospecs),
-    )
-  ), NamedSharding(mesh, P(AX))
 
 
 @pytest.mark.parametrize("weighted", [False, True])
 @pytest.mark.parametrize("k", [1, 4])
 def test_microbatch_data_parallel_matches_large_batch(k, weighted):
-  params = _params()
-  x, y, m = _data(2, k, weighted=weighted)
-  inner = optax.adam(0.1)
-  step, shard = _mb_program(k, weighted=weighted, inner=inner, params=params)
-  p, s = params, inner.init(params)
-  for t in range(2):
-    # Device d's batch: its k micro-batches, rows in "strided" order (row j*k + i is in
-    # micro-batch i), so the window holds the same rows as the large batch.
-    per_device = [jnp.swapaxes(a[t], 0, 1) for a in (x, y, m)]  # (D, k, B, ...)
-    per_device = [jnp.swapaxes(a, 1, 2).reshape(D * B * k, *a.shape[3:]) for a in per_device]
-    p, s = step(p, s, *(jax.device_put(a, shard) for a in per_device))
-  want = _large_batch(params, x, y, m, inner)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, want)
-
-
-# ----------------------------------------------------------------------------------------------
-# Collectives in the compiled programs.
-
-
-def _accumulate_program(k, emit=None):
-  params = _params()
-  tx = optax_accum.accumulate(optax.adam(0.1), k, axis_name=AX)
-  mesh = _mesh()
-  pspecs = jax.tree.map(lambda _: P(), params)
-  sspecs = state_partition_specs(tx, pspecs, AX)
-  state = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs))(params)
-
-  def step(params, state, x, y, m):
-    p = lax.pcast(params, AX, to="varying")
-    g = jax.grad(_loss)(p, x[0], y[0], m[0])
-    u, state = tx.update(g, state, params, weight=jnp.sum(m[0]), emit=emit)
-    return optax.apply_updates(params, u), state
-
-  f = jax.jit(
-    jax.shard_map(
-      step, mesh=mesh, in_specs=(pspecs, sspecs, P(AX), P(AX), P(AX)), out_specs=(pspecs, sspecs)
-    )
-  )
-  x, y, m = _data(1, 1, weighted=True)
-  shard = NamedSharding(mesh, P(AX))
-  return f.lower(params, state, *(jax.device_put(a[0, 0], shard) for a in (x, y, m)))
-
-
-@pytest.mark.parametrize("k", [1, 4, 16])
-def test_accumulate_all_reduces_once_per_update(k):
-  text = _accumulate_program(k).compile().as_text()
-  assert count_collectives(text, "all-reduce") == 1
-  assert count_collectives(text, "all-reduce", where="loop") == 0
-  if k > 1:
-    # lax.cond(emitting, close, keep): the all-reduce is in the emitting branch only.
-    branches = _hlo.conditional_branches(text, "all-reduce")
-    assert sorted(map(sorted, branches))[-1] == [0, 1]
-    assert all(0 in b for b in branches)
-  # The static programs: accumulating has no collective, emitting has the one.
-  if k == 4:
-    assert count_collectives(_accumulate_program(k, emit=False).compile().as_text()) == 0
-    assert count_collectives(_accumulate_program(k, emit=True).compile().as_text()) == 1
-
-
-@pytest.mark.parametrize("k", [1, 4, 16])
-def test_microbatch_all_reduces_after_the_loop(k):
-  params = _params()
-  inner = optax.adam(0.1)
-  step, shard = _mb_program(k, weighted=True, inner=inner, params=params)
-  rows = jnp.zeros((D * B * 16, F)), jnp.zeros((D * B * 16, 2)), jnp.ones((D * B * 16,))
-  text = step.lower(params, inner.init(params), *(jax.device_put(a, shard) for a in rows))
-  text = text.compile().as_text()
-  assert count_collectives(text, "all-reduce", where="loop") == 0
-  # XLA's all-reduce combiner fuses the reductions after the loop (sums, weights) into one.
-  assert count_collectives(text, "all-reduce") == 1
-
-
-def test_count_collectives_finds_loops_and_branches():
-  mesh = _mesh()
-
-  def body(x):
-    def loop(c, _):
-      return c + lax.psum(c, AX), None
-
-    return lax.scan(loop, x, None, length=3)[0]
-
-  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX), out_specs=P(AX)))
-  text = f.lower(jax.device_put(jnp.ones(D), NamedSharding(mesh, P(AX)))).compile().as_text()
-  assert count_collectives(text, where="loop") == count_collectives(text) >= 1
-  with pytest.raises(ValueError, match="kind must be one of"):
-    count_collectives(text, "allreduce")
+  inner = ref.MOMENTUM
+  # Each window is one batch of k·D·B rows, device d holding its k·B consecutive ones.
+  big = ref.windows(micro_batches(2 * k, "random" if weighted else "ones"), k)
+  pspecs = jax.tree.map(lambda _: P(), P0)
+  ospecs = state_partition_specs(inner, pspecs, None)
+  mesh = ref.mesh()
+  step = ref.shard_step(microbatch_step(inner, k, weighted), mesh, pspecs, ospecs, P(AX))
+  params, opt_state = P0, inner.init(P0)
+  for batch in big:
+    params, opt_state = step(params, opt_state, ref.shard(batch, mesh, P(AX)))
+  want, _ = ref.run_steps(inner, P0, ref.mlp_loss, big)
+  chex.assert_trees_all_close(params, want, **TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -480,66 +299,47 @@ def test_accumulate_gspmd_accumulators_keep_parameter_shardings(axis_type):
 
 
 # ----------------------------------------------------------------------------------------------
-# Bad input.
+# force_emit across devices; bad input.
 
 
-def _force_emit_program(tx, params, force_emit_of):
-  mesh = _mesh()
-  pspecs = jax.tree.map(lambda _: P(), params)
-  sspecs = state_partition_specs(tx, pspecs, AX)
-
-  def step(params, state, x, y, m):
-    g = jax.grad(_loss)(lax.pcast(params, AX, to="varying"), x[0], y[0], m[0])
-    u, state = tx.update(g, state, params, weight=jnp.sum(m[0]), force_emit=force_emit_of(m[0]))
-    return optax.apply_updates(params, u), state
-
-  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspecs,), out_specs=sspecs))
-  step = jax.jit(
-    jax.shard_map(
-      step, mesh=mesh, in_specs=(pspecs, sspecs, P(AX), P(AX), P(AX)), out_specs=(pspecs, sspecs)
-    )
-  )
-  return init, step, NamedSharding(mesh, P(AX))
+def device_2_decides(decision):
+  """A per-device force_emit flag (device 2's), agreed on by every device (pmax)."""
+  return lambda batch: lax.pmax(((lax.axis_index(AX) == 2) & decision).astype(jnp.int32), AX) > 0
 
 
 def test_accumulate_force_emit_agreed_across_devices_closes_a_short_window():
-  params = _params()
-  x, y, m = _data(1, 2, weighted=True)
-  tx = optax_accum.accumulate(optax.adam(0.1), 5, axis_name=AX)
-
-  def device_2_decides(decision):  # a per-device flag, agreed on by every device (pmax)
-    return lambda m: lax.pmax(((lax.axis_index(AX) == 2) & decision).astype(jnp.int32), AX) > 0
-
-  init, step0, shard = _force_emit_program(tx, params, device_2_decides(False))
-  _, step1, _ = _force_emit_program(tx, params, device_2_decides(True))
-  state, p = init(params), params
-  p, state = step0(p, state, *(jax.device_put(a[0, 0], shard) for a in (x, y, m)))
+  mbs = micro_batches(2, "random")
+  tx = optax_accum.accumulate(ref.ADAM, 5, axis_name=AX)
+  mesh = ref.mesh()
+  dp = {
+    decision: ref.data_parallel(
+      tx, P0, mesh, weight_fn=ref.token_count, force_emit_fn=device_2_decides(decision)
+    )
+    for decision in (False, True)
+  }
+  params, state = P0, dp[False].init(P0)
+  params, state = dp[False].step(params, state, ref.shard(mbs[0], mesh, P(AX)))
   assert int(state.gradient_step) == 0
-  p, state = step1(p, state, *(jax.device_put(a[0, 1], shard) for a in (x, y, m)))
+  params, state = dp[True].step(params, state, ref.shard(mbs[1], mesh, P(AX)))
   assert int(state.gradient_step) == 1 and int(state.mini_step) == 0  # a window of 2, not 5
-  want = _large_batch(params, x, y, m, optax.adam(0.1))
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, **TOL), p, want)
+  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, 2))
+  chex.assert_trees_all_close(params, want, **TOL)
 
 
 def test_accumulate_per_device_force_emit_raises():
-  params = _params()
-  x, y, m = _data(1, 1, weighted=True)
-  tx = optax_accum.accumulate(optax.sgd(0.1), 3, axis_name=AX)
-  init, step, shard = _force_emit_program(tx, params, lambda m: m[-1] > 0)
-  state = init(params)
+  (mb,) = micro_batches(1, "random")
+  tx = optax_accum.accumulate(ref.SGD, 3, axis_name=AX)
+  mesh = ref.mesh()
+  force_emit_fn = lambda batch: batch["mask"][-1] > 0  # noqa: E731  (differs per device)
+  dp = ref.data_parallel(tx, P0, mesh, weight_fn=ref.token_count, force_emit_fn=force_emit_fn)
   with pytest.raises(ValueError, match="force_emit differs per device .* over 'data'"):
-    step(params, state, *(jax.device_put(a[0, 0], shard) for a in (x, y, m)))
+    dp.step(P0, dp.init(P0), ref.shard(mb, mesh, P(AX)))
 
 
 def test_accumulate_unbound_axis_names_the_axis():
   tx = optax_accum.accumulate(optax.sgd(0.1), 2, axis_name=AX)
   params = {"w": jnp.ones(3)}
-  mesh = _mesh()
-  state = jax.jit(
-    jax.shard_map(
-      tx.init, mesh=mesh, in_specs=(P(),), out_specs=state_partition_specs(tx, {"w": P()}, AX)
-    )
-  )(params)
+  state = ref.data_parallel(tx, params, ref.mesh()).init(params)
   with pytest.raises(
     ValueError, match=r"accumulate.update: axis_name='data' is not bound here.*shard_map"
   ):
@@ -552,7 +352,7 @@ def test_microbatch_unbound_axis_names_the_axis():
     ValueError, match=r"microbatch: axis_name='batch' is not bound here.*shard_map"
   ):
     f(1.0, jnp.ones(4))
-  mesh = _mesh()
+  mesh = ref.mesh()
   g = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(AX)), out_specs=P())
   with pytest.raises(ValueError, match=r"axis_name='batch' is not bound here"):
     jax.jit(g)(1.0, jax.device_put(jnp.ones(16), NamedSharding(mesh, P(AX))))
