@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import _reference as ref
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,18 +23,13 @@ from optax_accum import _checks, _collectives, _core
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
-def tree_of(rng, dtype=np.float32):
-  """A small gradient-like tree with a None leaf and an empty subtree."""
-  return {
-    "w": rng.standard_normal((3, 4)).astype(dtype),
-    "b": rng.standard_normal(4).astype(dtype),
-    "none": None,
-    "empty": {},
-  }
+def tree_of(seed):
+  """A small gradient-like tree (the kit's parameters) with a None leaf and an empty subtree."""
+  return {**ref.mlp_params(seed, (3, 4)), "none": None, "empty": {}}
 
 
-def leaves64(tree):
-  return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+def float64(tree):
+  return jax.tree.map(lambda x: np.asarray(x, np.float64), tree)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,11 +65,10 @@ def test_zeros_dtypes_shapes_and_structure():
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("leaf", ["w", "b"])
+@pytest.mark.parametrize("leaf", ["w0", "b0"])
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_all_finite_detects_any_bad_element(bad, leaf, dtype):
-  tree = tree_of(np.random.default_rng(0), np.float32)
-  tree = jax.tree.map(lambda x: x.astype(dtype), tree)
+  tree = jax.tree.map(lambda x: x.astype(dtype), tree_of(0))
   assert bool(_core.all_finite(tree))
   tree[leaf] = tree[leaf].copy()
   tree[leaf].reshape(-1)[-1] = bad
@@ -112,59 +108,53 @@ def accumulate_all(trees, weights, *, accum_dtype=F32, skip_nonfinite=True):
 
 
 def test_add_weighted_sums_match_float64():
-  rng = np.random.default_rng(1)
-  trees = [tree_of(rng) for _ in range(5)]
+  trees = [tree_of(seed) for seed in range(5)]
   weights = [1.0, 3.0, 0.5, 0.0, 7.0]
   sums, total, dropped = accumulate_all(trees, weights)
-  assert jax.tree.structure(sums) == jax.tree.structure(trees[0])
-  for i, got in enumerate(leaves64(sums)):
-    want = sum(w * leaves64(t)[i] for w, t in zip(weights, trees, strict=True))
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  want = jax.tree.map(
+    lambda *xs: sum(w * x for w, x in zip(weights, xs, strict=True)), *float64(trees)
+  )
+  chex.assert_trees_all_close(sums, want, **ref.TOL)
   assert float(total) == sum(weights)
   assert int(dropped) == 0
 
 
 def test_add_without_weight_counts_one_each():
-  rng = np.random.default_rng(2)
-  trees = [tree_of(rng) for _ in range(3)]
+  trees = [tree_of(seed) for seed in range(3)]
   sums, total, _ = accumulate_all(trees, None)
   want, _, _ = accumulate_all(trees, [1.0, 1.0, 1.0])
-  for a, b in zip(leaves64(sums), leaves64(want), strict=True):
-    np.testing.assert_array_equal(a, b)  # None is exactly weight 1
+  chex.assert_trees_all_equal(sums, want, strict=True)  # None is exactly weight 1
   assert float(total) == 3.0
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_add_drops_nonfinite_microbatch(bad):
-  rng = np.random.default_rng(3)
-  trees = [tree_of(rng) for _ in range(3)]
-  trees[1]["b"][0] = bad
+  trees = [tree_of(seed) for seed in range(3)]
+  trees[1]["b0"][0] = bad
   weights = [1.0, 5.0, 2.0]
   sums, total, dropped = accumulate_all(trees, weights)
   # Neither the gradient nor the weight of the bad micro-batch enters the sums (a select, not
   # a multiplication by zero: 0 * nan would be nan).
   want, want_total, _ = accumulate_all([trees[0], trees[2]], [1.0, 2.0])
-  for a, b in zip(leaves64(sums), leaves64(want), strict=True):
-    np.testing.assert_array_equal(a, b)
+  chex.assert_trees_all_equal(sums, want, strict=True)
   assert float(total) == float(want_total) == 3.0
   assert int(dropped) == 1
   # Without the check the bad value poisons the sums, and nothing is counted as dropped.
   sums, total, dropped = accumulate_all(trees, weights, skip_nonfinite=False)
-  assert not np.all(np.isfinite(np.asarray(sums["b"])))
+  assert not np.all(np.isfinite(np.asarray(sums["b0"])))
   assert int(dropped) == 0 and float(total) == 8.0
 
 
 def test_add_restart_starts_from_zero():
-  rng = np.random.default_rng(4)
-  old, new = tree_of(rng), tree_of(rng)
+  old, new = tree_of(4), tree_of(5)
   sums = _core.zeros(old, F32)
   sums, total, _ = _core.add(sums, jnp.zeros((), F32), old, 2.0, skip_nonfinite=True)
   for restart, factor in ((True, 0.0), (False, 1.0)):
     got, got_total, _ = _core.add(
       sums, total, new, 3.0, skip_nonfinite=True, restart=jnp.asarray(restart)
     )
-    for g, o, n in zip(leaves64(got), leaves64(old), leaves64(new), strict=True):
-      np.testing.assert_allclose(g, factor * 2.0 * o + 3.0 * n, rtol=1e-6, atol=1e-6)
+    want = jax.tree.map(lambda o, n, f=factor: f * 2.0 * o + 3.0 * n, *float64((old, new)))
+    chex.assert_trees_all_close(got, want, **ref.TOL)
     assert float(got_total) == factor * 2.0 + 3.0
 
 

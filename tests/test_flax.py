@@ -1,5 +1,8 @@
 """Flax Linen and NNX with `accumulate` and `microbatch`, each against a direct computation.
 
+The large-batch references are `_reference.run_steps` (a plain optax step on a direct
+`jax.grad`, no Flax optimizer wrapper) on the model's parameters.
+
 BatchNorm under accumulation: in training mode every forward pass normalises with the statistics
 of the batch it sees, which is one *micro*-batch. So (a) the running averages after a window
 are k sequential updates with micro-batch statistics, not one update with the large batch's,
@@ -12,6 +15,8 @@ from __future__ import annotations
 
 import functools
 
+import _reference as ref
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -25,27 +30,19 @@ import optax_accum
 
 MICRO = 4  # examples per micro-batch
 FEATURES = 5
+ADAM = optax.adam(0.1)  # large enough steps that "it trained" is clear after one or two
 
 
-def _data(k, steps=1, seed=0):
-  kx, ky = jax.random.split(jax.random.key(seed))
-  x = jax.random.normal(kx, (steps, k * MICRO, FEATURES)) * 2.0 + 1.0
-  y = jax.random.normal(ky, (steps, k * MICRO))
-  return x, y
+def _windows(k, steps=1, seed=0):
+  """`steps` large batches of k·MICRO examples ``{"x": (n, FEATURES), "y": (n, 1)}``; the inputs
+  have mean 1 and scale 2, so BatchNorm's statistics move far from their initial (0, 1)."""
+  data = ref.regression_data(seed, steps * k * MICRO, FEATURES, 1)
+  return ref.split({**data, "x": data["x"] * 2.0 + 1.0}, steps)
 
 
-def _micro(a, i, k):
-  return a[i::k]  # strided split: rows i, i+k, ... (what `microbatch` does by default)
-
-
-def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-  # Float32: micro-batch means are summed in another order than the large batch's mean.
-  jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=rtol, atol=atol), a, b)
-
-
-def max_diff(a, b):
-  pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-  return max(float(jnp.max(jnp.abs(x - y))) for x, y in pairs)
+def _micro(batch, k):
+  # Strided split: rows i, i+k, ... in micro-batch i (what `microbatch` does by default).
+  return ref.split(batch, k, strided=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,44 +53,41 @@ class MLP(nn.Module):
   @nn.compact
   def __call__(self, x):
     x = nn.tanh(nn.Dense(8)(x))
-    return nn.Dense(1)(x)[..., 0]
+    return nn.Dense(1)(x)
 
 
-def _mse(apply_fn, params, x, y):
-  return jnp.mean((apply_fn({"params": params}, x) - y) ** 2)
+def _mse(apply_fn, params, batch):
+  return jnp.mean((apply_fn({"params": params}, batch["x"]) - batch["y"]) ** 2)
 
 
 @pytest.mark.parametrize("k, jit", [(4, True), (2, False)])
 def test_linen_train_state_accumulate_matches_large_batch(k, jit):
   model = MLP()
-  x, y = _data(k, steps=2 if jit else 1)
-  params = model.init(jax.random.key(1), x[0])["params"]
+  big = _windows(k, steps=2 if jit else 1)
+  params = model.init(jax.random.key(1), big[0]["x"])["params"]
   loss = functools.partial(_mse, model.apply)
+  want, _ = ref.run_steps(ADAM, params, loss, big, jit=jit)
 
-  def step(state, x, y):
-    grads = jax.grad(loss)(state.params, x, y)
-    return state.apply_gradients(grads=grads)
+  def step(state, batch):
+    return state.apply_gradients(grads=jax.grad(loss)(state.params, batch))
 
   step = jax.jit(step) if jit else step
-  ref = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(0.1))
   acc = train_state.TrainState.create(
-    apply_fn=model.apply, params=params, tx=optax_accum.accumulate(optax.adam(0.1), k)
+    apply_fn=model.apply, params=params, tx=optax_accum.accumulate(ADAM, k)
   )
-  for s in range(x.shape[0]):
-    ref = step(ref, x[s], y[s])
-    for i in range(k):
-      acc = step(acc, _micro(x[s], i, k), _micro(y[s], i, k))
-  assert max_diff(ref.params, params) > 1e-2  # it trained
-  assert_trees_close(acc.params, ref.params)
+  for mb in [m for b in big for m in _micro(b, k)]:
+    acc = step(acc, mb)
+  assert ref.max_abs_diff(want, params) > 1e-2  # it trained
+  chex.assert_trees_all_close(acc.params, want, **ref.TOL)
   # TrainState.step counts apply_gradients calls (micro-steps); the optimizer counts updates.
-  assert int(acc.step) == k * x.shape[0]
-  assert int(acc.opt_state.gradient_step) == x.shape[0]
+  assert int(acc.step) == k * len(big)
+  assert int(acc.opt_state.gradient_step) == len(big)
 
 
 # ---------------------------------------------------------------------------------------------
 # Linen BatchNorm.
 
-MOMENTUM = 0.8
+MOMENTUM = 0.8  # BatchNorm's
 
 
 class BNNet(nn.Module):
@@ -103,23 +97,23 @@ class BNNet(nn.Module):
   def __call__(self, x, train: bool):
     x = nn.BatchNorm(use_running_average=not train, momentum=MOMENTUM)(x)
     x = nn.tanh(nn.Dense(8)(x))
-    return nn.Dense(1)(x)[..., 0]
+    return nn.Dense(1)(x)
 
 
 class BNState(train_state.TrainState):
   batch_stats: dict
 
 
-def _bn_loss(params, batch_stats, x, y):
+def _bn_loss(params, batch_stats, batch):
   """The loss of one batch in training mode, and the BatchNorm statistics it leaves behind."""
   out, updated = BNNet().apply(
-    {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+    {"params": params, "batch_stats": batch_stats}, batch["x"], train=True, mutable=["batch_stats"]
   )
-  return jnp.mean((out - y) ** 2), updated["batch_stats"]
+  return jnp.mean((out - batch["y"]) ** 2), updated["batch_stats"]
 
 
-def _bn_state(x, tx):
-  variables = BNNet().init(jax.random.key(1), x, train=False)
+def _bn_state(batch, tx):
+  variables = BNNet().init(jax.random.key(1), batch["x"], train=False)
   return BNState.create(
     apply_fn=BNNet().apply,
     params=variables["params"],
@@ -133,96 +127,94 @@ _bn_grad = jax.jit(jax.value_and_grad(_bn_loss, has_aux=True))
 
 
 @jax.jit
-def _bn_step(state, x, y):
+def _bn_step(state, batch):
   """The model's own training step: batch_stats updated on every call (every micro-batch)."""
-  (_, batch_stats), grads = jax.value_and_grad(_bn_loss, has_aux=True)(
-    state.params, state.batch_stats, x, y
-  )
+  (_, batch_stats), grads = _bn_grad(state.params, state.batch_stats, batch)
   return state.apply_gradients(grads=grads).replace(batch_stats=batch_stats)
 
 
 def _numpy_running_stats(batches, mean, var):
   """Flax BatchNorm's running averages after training-mode passes over `batches`, by numpy."""
   for b in batches:
-    b = np.asarray(b, np.float64)
-    mean = MOMENTUM * mean + (1 - MOMENTUM) * b.mean(0)
-    var = MOMENTUM * var + (1 - MOMENTUM) * b.var(0)  # biased variance, as Flax computes it
+    x = np.asarray(b["x"], np.float64)
+    mean = MOMENTUM * mean + (1 - MOMENTUM) * x.mean(0)
+    var = MOMENTUM * var + (1 - MOMENTUM) * x.var(0)  # biased variance, as Flax computes it
   return mean, var
+
+
+INIT_STATS = np.zeros(FEATURES), np.ones(FEATURES)  # BatchNorm's initial running mean and var
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_linen_batchnorm_accumulate_running_stats_are_micro_batch_statistics(k):
-  x, y = _data(k, steps=1)
-  state = _bn_state(x[0], optax_accum.accumulate(optax.sgd(0.1), k))
-  for i in range(k):
-    state = _bn_step(state, _micro(x[0], i, k), _micro(y[0], i, k))
+  (big,) = _windows(k)
+  state = _bn_state(big, optax_accum.accumulate(optax.sgd(0.1), k))
+  for mb in _micro(big, k):
+    state = _bn_step(state, mb)
   stats = state.batch_stats["BatchNorm_0"]
 
-  init_mean, init_var = np.zeros(FEATURES), np.ones(FEATURES)
-  micro_batches = [_micro(x[0], i, k) for i in range(k)]
-  want_mean, want_var = _numpy_running_stats(micro_batches, init_mean, init_var)
-  np.testing.assert_allclose(stats["mean"], want_mean, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(stats["var"], want_var, rtol=1e-5, atol=1e-6)
+  want_mean, want_var = _numpy_running_stats(_micro(big, k), *INIT_STATS)
+  chex.assert_trees_all_close((stats["mean"], stats["var"]), (want_mean, want_var), **ref.TOL)
 
   # One update with the large batch's statistics gives other running averages.
-  large_mean, large_var = _numpy_running_stats([x[0]], init_mean, init_var)
+  large_mean, large_var = _numpy_running_stats([big], *INIT_STATS)
   assert np.max(np.abs(stats["mean"] - large_mean)) > 1e-2
   assert np.max(np.abs(stats["var"] - large_var)) > 1e-2
 
 
 @pytest.mark.parametrize("k", [4])
 def test_linen_batchnorm_accumulated_gradient_is_mean_of_micro_batch_gradients(k):
-  x, y = _data(k, steps=1)
-  state = _bn_state(x[0], optax_accum.accumulate(optax.sgd(1.0), k))
+  (big,) = _windows(k)
+  state = _bn_state(big, optax_accum.accumulate(optax.sgd(1.0), k))
   params0, stats0 = state.params, state.batch_stats
-  for i in range(k):
-    state = _bn_step(state, _micro(x[0], i, k), _micro(y[0], i, k))
+  for mb in _micro(big, k):
+    state = _bn_step(state, mb)
   emitted = jax.tree.map(lambda new, old: new - old, state.params, params0)  # -1.0 * gradient
 
   # Reference: each micro-batch's gradient with its own statistics, at the window's parameters
   # (they do not move inside a window); the running stats do not enter a training-mode pass.
-  grads = [_bn_grad(params0, stats0, _micro(x[0], i, k), _micro(y[0], i, k))[1] for i in range(k)]
+  grads = [_bn_grad(params0, stats0, mb)[1] for mb in _micro(big, k)]
   want = jax.tree.map(lambda *g: -sum(g) / k, *grads)
-  assert_trees_close(emitted, want)
+  chex.assert_trees_all_close(emitted, want, **ref.TOL)
 
-  large = _bn_grad(params0, stats0, x[0], y[0])[1]
-  assert max_diff(emitted, jax.tree.map(jnp.negative, large)) > 1e-3  # not the large batch's
+  large = _bn_grad(params0, stats0, big)[1]
+  assert ref.max_abs_diff(emitted, jax.tree.map(jnp.negative, large)) > 1e-3  # not the large's
 
 
 @pytest.mark.parametrize("k", [2, 4])
 def test_linen_batchnorm_microbatch_threads_batch_stats(k):
   """`microbatch(..., state_argnums=1, state_out=...)` == k sequential small training passes."""
-  x, y = _data(k, steps=1)
-  state = _bn_state(x[0], optax.sgd(1.0))
+  (big,) = _windows(k)
+  state = _bn_state(big, optax.sgd(1.0))
   params0, stats0 = state.params, state.batch_stats
   grad_fn = jax.value_and_grad(_bn_loss, has_aux=True)
   step = jax.jit(
     optax_accum.microbatch(
-      grad_fn, k, batch_argnums=(2, 3), state_argnums=1, state_out=lambda out: out[0][1]
+      grad_fn, k, batch_argnums=2, state_argnums=1, state_out=lambda out: out[0][1]
     )
   )
-  (loss, stats), grads = step(params0, stats0, x[0], y[0])
+  (loss, stats), grads = step(params0, stats0, big)
 
   # Reference: k sequential calls of the model's own training pass, stats handed on.
-  ref_stats, ref_losses, ref_grads = stats0, [], []
-  for i in range(k):
-    (loss_i, ref_stats), g = _bn_grad(params0, ref_stats, _micro(x[0], i, k), _micro(y[0], i, k))
-    ref_losses.append(loss_i)
-    ref_grads.append(g)
-  assert_trees_close(stats, ref_stats)
-  np.testing.assert_allclose(loss, np.mean(ref_losses), rtol=1e-5)
-  assert_trees_close(grads, jax.tree.map(lambda *g: sum(g) / k, *ref_grads))
-  want_mean, _ = _numpy_running_stats(
-    [_micro(x[0], i, k) for i in range(k)], np.zeros(FEATURES), np.ones(FEATURES)
-  )
-  np.testing.assert_allclose(stats["BatchNorm_0"]["mean"], want_mean, rtol=1e-5, atol=1e-6)
+  want_stats, want_losses, want_grads = stats0, [], []
+  for mb in _micro(big, k):
+    (loss_i, want_stats), g = _bn_grad(params0, want_stats, mb)
+    want_losses.append(loss_i)
+    want_grads.append(g)
+  chex.assert_trees_all_close(stats, want_stats, **ref.TOL)
+  chex.assert_trees_all_close(loss, np.mean(want_losses), **ref.TOL)
+  chex.assert_trees_all_close(grads, jax.tree.map(lambda *g: sum(g) / k, *want_grads), **ref.TOL)
+  want_mean, _ = _numpy_running_stats(_micro(big, k), *INIT_STATS)
+  chex.assert_trees_all_close(stats["BatchNorm_0"]["mean"], want_mean, **ref.TOL)
 
   # accumulate across steps with the model's own step lands on the same parameters and stats.
-  acc = _bn_state(x[0], optax_accum.accumulate(optax.sgd(1.0), k))
-  for i in range(k):
-    acc = _bn_step(acc, _micro(x[0], i, k), _micro(y[0], i, k))
-  assert_trees_close(acc.batch_stats, stats)
-  assert_trees_close(acc.params, jax.tree.map(lambda p, g: p - g, params0, grads))
+  acc = _bn_state(big, optax_accum.accumulate(optax.sgd(1.0), k))
+  for mb in _micro(big, k):
+    acc = _bn_step(acc, mb)
+  chex.assert_trees_all_close(acc.batch_stats, stats, **ref.TOL)
+  chex.assert_trees_all_close(
+    acc.params, jax.tree.map(lambda p, g: p - g, params0, grads), **ref.TOL
+  )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,64 +233,66 @@ class NNXNet(nnx.Module):
     if self.bn is not None:
       h = self.bn(h)
     h = self.drop(nnx.relu(h), rngs=key, deterministic=key is None)
-    return self.fc2(h)[..., 0]
+    return self.fc2(h)
 
 
-def _nnx_loss(model, x, y):
-  return jnp.mean((model(x) - y) ** 2)
+def _nnx_loss(model, batch):
+  return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+
+def _nnx_reference():
+  """The large-batch reference of an NNXNet (no dropout, no BatchNorm): its parameters as a
+  pytree and a loss of them (the model rebuilt from its graph), stepped with `ref.run_steps`."""
+  graphdef, params = nnx.split(NNXNet(nnx.Rngs(0)), nnx.Param)
+  return params, functools.partial(_nnx_merged_loss, graphdef)
+
+
+def _nnx_merged_loss(graphdef, params, batch):
+  return _nnx_loss(nnx.merge(graphdef, params), batch)
 
 
 @pytest.mark.parametrize("k", [4])
 def test_nnx_optimizer_accumulate_matches_large_batch(k):
-  x, y = _data(k, steps=2)
-  ref_model, model = NNXNet(nnx.Rngs(0)), NNXNet(nnx.Rngs(0))
-  ref_opt = nnx.Optimizer(ref_model, optax.adam(0.1), wrt=nnx.Param)
-  opt = nnx.Optimizer(model, optax_accum.accumulate(optax.adam(0.1), k), wrt=nnx.Param)
+  big = _windows(k, steps=2)
+  params0, loss = _nnx_reference()
+  want, _ = ref.run_steps(ADAM, params0, loss, big)
+  model = NNXNet(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax_accum.accumulate(ADAM, k), wrt=nnx.Param)
 
   @nnx.jit
-  def step(model, optimizer, x, y):
-    grads = nnx.grad(_nnx_loss)(model, x, y)
-    optimizer.update(model, grads)
+  def step(model, optimizer, batch):
+    optimizer.update(model, nnx.grad(_nnx_loss)(model, batch))
 
-  params0 = jax.tree.map(jnp.array, nnx.state(model, nnx.Param))  # a copy: the model updates
-  for s in range(x.shape[0]):
-    step(ref_model, ref_opt, x[s], y[s])
-    for i in range(k):
-      step(model, opt, _micro(x[s], i, k), _micro(y[s], i, k))
-  got, want = nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param)
-  assert max_diff(want, params0) > 1e-2  # it trained
-  assert_trees_close(got, want)
-  assert int(opt.opt_state.gradient_step) == x.shape[0]
+  for mb in [m for b in big for m in _micro(b, k)]:
+    step(model, opt, mb)
+  assert ref.max_abs_diff(want, params0) > 1e-2  # it trained
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), want, **ref.TOL)
+  assert int(opt.opt_state.gradient_step) == len(big)
 
 
-def _nnx_split_loss(graphdef, params, batch_stats, rest, x, y, key):
+def _nnx_split_loss(graphdef, params, batch_stats, rest, batch, key):
   """The loss of one batch with the model rebuilt from its state, and the new BatchNorm stats."""
   # copy=True: fresh Variables at this trace level (inside grad and the scan) that BatchNorm
   # may write to; the arguments' own Variables belong to the caller's trace.
   model = nnx.merge(graphdef, params, batch_stats, rest, copy=True)
-  loss = jnp.mean((model(x, key) - y) ** 2)
+  loss = jnp.mean((model(batch["x"], key) - batch["y"]) ** 2)
   return loss, nnx.state(model, nnx.BatchStat)
 
 
 @functools.cache  # one compiled step per k, shared by the tests
 def _nnx_microbatch_step(k):
   @nnx.jit
-  def train_step(model, optimizer, x, y, key):
+  def train_step(model, optimizer, batch, key):
     graphdef, params, batch_stats, rest = nnx.split(model, nnx.Param, nnx.BatchStat, ...)
     loss_fn = functools.partial(_nnx_split_loss, graphdef)
 
-    def fun(params, batch_stats, x, y, key):
-      return jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, rest, x, y, key)
+    def fun(params, batch_stats, batch, key):
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats, rest, batch, key)
 
     grad_fn = optax_accum.microbatch(
-      fun,
-      k,
-      batch_argnums=(2, 3),
-      rng_argnums=4,
-      state_argnums=1,
-      state_out=lambda out: out[0][1],
+      fun, k, batch_argnums=2, rng_argnums=3, state_argnums=1, state_out=lambda out: out[0][1]
     )
-    (loss, batch_stats), grads = grad_fn(params, batch_stats, x, y, key)
+    (loss, batch_stats), grads = grad_fn(params, batch_stats, batch, key)
     nnx.update(model, batch_stats)
     optimizer.update(model, grads)
     return loss
@@ -308,68 +302,59 @@ def _nnx_microbatch_step(k):
 
 @pytest.mark.parametrize("k", [2])
 def test_nnx_microbatch_dropout_batchnorm_matches_sequential_reference(k):
-  x, y = _data(k, steps=1)
+  (big,) = _windows(k)
   key = jax.random.key(42)
   model = NNXNet(nnx.Rngs(0), dropout=0.5, batchnorm=True)
   graphdef, params0, stats0, rest = jax.tree.map(
     jnp.array, nnx.split(model, nnx.Param, nnx.BatchStat, ...)
   )  # copies: the train step updates the model in place
   optimizer = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param)
-  loss = _nnx_microbatch_step(k)(model, optimizer, x[0], y[0], key)
+  loss = _nnx_microbatch_step(k)(model, optimizer, big, key)
 
   # Reference, computed directly: micro-batch i with its own key fold_in(key, i) (microbatch's
   # documented derivation) and the BatchNorm stats micro-batch i-1 left behind.
   grad_fn = jax.jit(jax.value_and_grad(functools.partial(_nnx_split_loss, graphdef), has_aux=True))
   stats, losses, grads = stats0, [], []
-  for i in range(k):
-    (loss_i, stats), g = grad_fn(
-      params0, stats, rest, _micro(x[0], i, k), _micro(y[0], i, k), jax.random.fold_in(key, i)
-    )
+  for i, mb in enumerate(_micro(big, k)):
+    (loss_i, stats), g = grad_fn(params0, stats, rest, mb, jax.random.fold_in(key, i))
     losses.append(loss_i)
     grads.append(g)
   mean_grad = jax.tree.map(lambda *g: sum(g) / k, *grads)
-  np.testing.assert_allclose(loss, np.mean(losses), rtol=1e-5)
-  assert_trees_close(nnx.state(model, nnx.BatchStat), stats)
-  assert_trees_close(
-    nnx.state(model, nnx.Param), jax.tree.map(lambda p, g: p - g, params0, mean_grad)
+  chex.assert_trees_all_close(loss, np.mean(losses), **ref.TOL)
+  chex.assert_trees_all_close(nnx.state(model, nnx.BatchStat), stats, **ref.TOL)
+  chex.assert_trees_all_close(
+    nnx.state(model, nnx.Param), jax.tree.map(lambda p, g: p - g, params0, mean_grad), **ref.TOL
   )
 
   # Each micro-batch had its own dropout key: one shared key gives another gradient.
-  same_key = [
-    grad_fn(params0, stats0, rest, _micro(x[0], i, k), _micro(y[0], i, k), key)[1] for i in range(k)
-  ]
+  same_key = [grad_fn(params0, stats0, rest, mb, key)[1] for mb in _micro(big, k)]
   same_key = jax.tree.map(lambda *g: sum(g) / k, *same_key)
-  assert max_diff(same_key, mean_grad) > 1e-4
+  assert ref.max_abs_diff(same_key, mean_grad) > 1e-4
 
 
 @pytest.mark.parametrize("k", [4])
 def test_nnx_microbatch_train_step_matches_large_batch(k):
   """Without dropout or BatchNorm (nothing couples examples) the in-step form is the large batch."""
-  x, y = _data(k, steps=2)
-  ref_model, model = NNXNet(nnx.Rngs(0)), NNXNet(nnx.Rngs(0))
-  ref_opt = nnx.Optimizer(ref_model, optax.adam(0.1), wrt=nnx.Param)
-  opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
-
-  @nnx.jit
-  def ref_step(model, optimizer, x, y):
-    loss, grads = nnx.value_and_grad(_nnx_loss)(model, x, y)
-    optimizer.update(model, grads)
-    return loss
-
+  big = _windows(k, steps=2)
+  want, loss_fn = _nnx_reference()
+  want_state = ADAM.init(want)
+  model = NNXNet(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, ADAM, wrt=nnx.Param)
   step = _nnx_microbatch_step(k)
-  for s in range(x.shape[0]):
-    want = ref_step(ref_model, ref_opt, x[s], y[s])
-    np.testing.assert_allclose(step(model, opt, x[s], y[s], jax.random.key(s)), want, rtol=1e-5)
-  assert_trees_close(nnx.state(model, nnx.Param), nnx.state(ref_model, nnx.Param))
+  for s, batch in enumerate(big):
+    loss = step(model, opt, batch, jax.random.key(s))
+    chex.assert_trees_all_close(loss, loss_fn(want, batch), **ref.TOL)  # at the step's params
+    want, want_state = ref.run_steps(ADAM, want, loss_fn, [batch], state=want_state)
+  chex.assert_trees_all_close(nnx.state(model, nnx.Param), want, **ref.TOL)
 
 
 def test_nnx_microbatch_dropout_is_deterministic_for_a_key():
-  x, y = _data(2, steps=1)
+  (big,) = _windows(2)
   results = []
   for key in (jax.random.key(1), jax.random.key(1), jax.random.key(2)):
     model = NNXNet(nnx.Rngs(0), dropout=0.5, batchnorm=True)
     optimizer = nnx.Optimizer(model, optax.sgd(1.0), wrt=nnx.Param)
-    _nnx_microbatch_step(2)(model, optimizer, x[0], y[0], key)
+    _nnx_microbatch_step(2)(model, optimizer, big, key)
     results.append(nnx.state(model, nnx.Param))
-  assert max_diff(results[0], results[1]) == 0.0
-  assert max_diff(results[0], results[2]) > 1e-4
+  chex.assert_trees_all_equal(results[0], results[1])
+  assert ref.max_abs_diff(results[0], results[2]) > 1e-4
