@@ -3,17 +3,16 @@
 ``python tests/_orbax_worker.py resume CKPT_DIR OUT.npz`` restores a checkpoint that
 `save_mid_window` wrote (in another process), finishes the run and writes the parameters (and
 the restored window position) to OUT.npz. The test compares them bit for bit with the run that
-was never interrupted.
+was never interrupted. Run as a script, Python puts tests/ on the path: `_reference` imports.
 """
 
 from __future__ import annotations
 
 import sys
 
+import _reference as ref
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import orbax.checkpoint as ocp
 
 import optax_accum
@@ -24,34 +23,15 @@ SAVE_AT = 6  # checkpoint after micro-step 6: two micro-batches into the second 
 
 
 def setup():
-  """Initial parameters, the data of every micro-step, and the optimizer: all deterministic."""
-  kp, kx, ky = jax.random.split(jax.random.key(0), 3)
-  params = {"w": jax.random.normal(kp, (16, 4)), "b": jnp.zeros((4,))}
-  xs = jax.random.normal(kx, (TOTAL, 8, 16))
-  ys = jax.random.normal(ky, (TOTAL, 8, 4))
-  tx = optax_accum.accumulate(optax.adam(0.05), K)
-  return params, (xs, ys), tx
+  """Initial parameters, the batch of every micro-step, and the optimizer: all deterministic."""
+  params = ref.mlp_params(0, (16, 4))
+  batches = ref.split(ref.regression_data(0, TOTAL * 8, 16, 4), TOTAL)
+  return params, batches, optax_accum.accumulate(ref.ADAM, K)
 
 
-def _loss(params, x, y):
-  return jnp.mean((jnp.tanh(x @ params["w"] + params["b"]) - y) ** 2)
-
-
-def make_step(tx):
-  @jax.jit
-  def step(params, state, x, y):
-    grads = jax.grad(_loss)(params, x, y)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
-  return step
-
-
-def run(step, params, state, data, start, stop):
-  xs, ys = data
-  for i in range(start, stop):
-    params, state = step(params, state, xs[i], ys[i])
-  return params, state
+def run(tx, params, state, batches):
+  """One jitted micro-step per batch (the kit's, so every process compiles the same program)."""
+  return ref.run_steps(tx, params, ref.mlp_loss, batches, state=state)
 
 
 def save(path, params, state):
@@ -67,31 +47,29 @@ def restore(path, abstract):
 
 def save_mid_window(path):
   """Trains SAVE_AT micro-steps and checkpoints parameters and optimizer state."""
-  params, data, tx = setup()
-  step = make_step(tx)
-  params, state = run(step, params, tx.init(params), data, 0, SAVE_AT)
+  params, batches, tx = setup()
+  params, state = run(tx, params, tx.init(params), batches[:SAVE_AT])
   save(path, params, state)
   return params, state
 
 
 def uninterrupted():
-  params, data, tx = setup()
-  return run(make_step(tx), params, tx.init(params), data, 0, TOTAL)
+  params, batches, tx = setup()
+  return run(tx, params, tx.init(params), batches)
 
 
 def resume(path, out):
-  params0, data, tx = setup()
+  params0, batches, tx = setup()
   abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params0)
   restored = restore(path, abstract)
   state = restored["opt_state"]
   if not isinstance(state, optax_accum.AccumulateState):
     raise TypeError(f"restored optimizer state is a {type(state).__name__}")
-  mini_step, acc_w = int(state.mini_step), np.asarray(state.acc_grads["w"])
-  params, state = run(make_step(tx), restored["params"], state, data, SAVE_AT, TOTAL)
+  mini_step, acc_w = int(state.mini_step), np.asarray(state.acc_grads["w0"])
+  params, state = run(tx, restored["params"], state, batches[SAVE_AT:])
   np.savez(
     out,
-    w=np.asarray(params["w"]),
-    b=np.asarray(params["b"]),
+    **{name: np.asarray(value) for name, value in params.items()},
     restored_mini_step=mini_step,
     restored_acc_w=acc_w,
     gradient_step=int(state.gradient_step),

@@ -7,6 +7,8 @@ import pytest
 
 from optax_accum import demo
 
+pytestmark = pytest.mark.slow  # the demo's main job end to end: an integration test
+
 
 def test_demo_main_three_methods_agree(tmp_path, capsys):
   out = tmp_path / "loss.png"

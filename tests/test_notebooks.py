@@ -7,7 +7,10 @@ import importlib.util
 import pathlib
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow  # a notebook kernel executing the tour: a documentation test
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 TOUR = NOTEBOOKS / "tour.ipynb"

@@ -7,6 +7,10 @@ step of the walk-through, and is not run here (the code it shows is tested elsew
 import pathlib
 import re
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every README example, executed: a documentation test
+
 README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
