@@ -1,11 +1,17 @@
-"""Batch arguments: which positions hold the batch, its size, and how it splits into micro-batches.
+"""Batch arguments: where the batch sits, its size, and how it splits into micro-batches.
 
-Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
+The batch arguments are positional (`batch_argnums`) or keyword (`batch_argnames`) arguments,
+each a pytree whose leaves share one batch axis (`batch_axes`, per argument, in the order
+``batch_argnums + batch_argnames``). Which rows go into micro-batch ``i`` (batch size
+``B = k·b``, batch axis ``a``):
 
-* ``split="strided"`` (default): rows ``i, i+k, i+2k, …`` — ``x.reshape(b, k, ...)``, axis 1.
-  The leading axis of every micro-batch is a slice of the full batch's leading axis, so a batch
-  sharded over devices stays sharded the same way (no reshard inside the loop).
-* ``split="contiguous"``: rows ``i·b, …, (i+1)·b - 1`` — ``x.reshape(k, b, ...)``.
+* ``split="strided"`` (default): rows ``i, i+k, i+2k, …`` — axis ``a`` reshaped to ``(b, k)``,
+  micro-batch ``i`` read at index ``i`` of the second. Each micro-batch's batch axis is a slice
+  of the full batch's, so a batch sharded over devices stays sharded the same way (no reshard
+  inside the loop).
+* ``split="contiguous"``: rows ``i·b, …, (i+1)·b - 1`` — axis ``a`` reshaped to ``(k, b)``.
+
+Both reshapes are free (no copy); micro-batch ``i`` is read in place inside the loop.
 """
 
 from __future__ import annotations
@@ -25,10 +31,20 @@ from optax_accum._typing import ArgNums, Split
 class Positions(NamedTuple):
   """Where the batch, the PRNG keys and the threaded state sit among a call's arguments."""
 
-  batch: tuple[int, ...]  # positional batch arguments
+  batch: tuple[int, ...]  # positional batch arguments, in the order given
+  names: tuple[str, ...]  # keyword batch arguments, in the order given
+  axes: tuple[int, ...]  # the batch axis of each entry of batch + names
   rngs: tuple[int, ...]  # positional PRNG-key arguments (one fresh key per micro-batch)
   states: tuple[int, ...]  # positional arguments threaded through the micro-batches
   single_state: bool  # state_argnums was one int: `state_out` returns one state, not a tuple
+
+  def batch_trees(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """The batch arguments of a call, in the order of `axes`."""
+    return [args[j] for j in self.batch] + [kwargs[n] for n in self.names]
+
+  def describe(self) -> list[str]:
+    """How errors name each batch argument, in the order of `axes`."""
+    return [f"argument {j}" for j in self.batch] + [f"keyword argument {n}" for n in self.names]
 
 
 def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
@@ -47,13 +63,66 @@ def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
   return items
 
 
-def positions(batch_argnums: ArgNums, rng_argnums: ArgNums, state_argnums: ArgNums) -> Positions:
-  """The checked positions, as given (negative ones count from the end of the call's arguments)."""
+def check_argnames(argnames: Any) -> tuple[str, ...]:
+  """`batch_argnames` (a str or a sequence of str, no repeats) as a tuple of str."""
+  items = (argnames,) if isinstance(argnames, str) else argnames
+  try:
+    items = tuple(items)
+  except TypeError:
+    items = (argnames,)
+  if not all(isinstance(a, str) for a in items):
+    raise TypeError(
+      f"microbatch: batch_argnames must be a str or a sequence of str, got {argnames!r}."
+    )
+  if len(set(items)) != len(items):
+    raise ValueError(f"microbatch: batch_argnames has repeated names: {argnames!r}.")
+  return items
+
+
+def _check_axes(batch_axes: Any, count: int) -> tuple[int, ...]:
+  if isinstance(batch_axes, int | np.integer) and not isinstance(batch_axes, bool):
+    return (operator.index(batch_axes),) * count
+  try:
+    axes = tuple(batch_axes)
+  except TypeError:
+    axes = (batch_axes,)
+  if any(isinstance(a, bool) or not isinstance(a, int | np.integer) for a in axes):
+    raise TypeError(
+      f"microbatch: batch_axes must be an int or a sequence of ints, got {batch_axes!r}."
+    )
+  if len(axes) != count:
+    raise ValueError(
+      f"microbatch: batch_axes has {len(axes)} entries, {batch_axes!r}, but there are {count} "
+      "batch arguments (batch_argnums + batch_argnames): give one axis per batch argument, in "
+      "that order, or one int for all."
+    )
+  return tuple(operator.index(a) for a in axes)
+
+
+def positions(
+  batch_argnums: ArgNums | None,
+  batch_argnames: str | Sequence[str],
+  batch_axes: int | Sequence[int],
+  rng_argnums: ArgNums,
+  state_argnums: ArgNums,
+) -> Positions:
+  """The checked positions, as given (negative ones count from the end of the call's arguments).
+
+  `batch_argnums=None` means argument 1, or none when `batch_argnames` names some.
+  """
+  names = check_argnames(batch_argnames)
+  if batch_argnums is None:
+    batch_argnums = () if names else 1
   batch = check_argnums("batch_argnums", batch_argnums)
-  if not batch:
-    raise ValueError("microbatch: batch_argnums must name at least one argument, got ().")
+  if not batch and not names:
+    raise ValueError(
+      "microbatch: name at least one batch argument, with batch_argnums (positions) or "
+      "batch_argnames (keywords); got batch_argnums=() and batch_argnames=()."
+    )
   return Positions(
     batch,
+    names,
+    _check_axes(batch_axes, len(batch) + len(names)),
     check_argnums("rng_argnums", rng_argnums),
     check_argnums("state_argnums", state_argnums),
     isinstance(state_argnums, int | np.integer),
@@ -72,9 +141,26 @@ def _resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[i
   return tuple(out)
 
 
-def resolve(pos: Positions, nargs: int) -> Positions:
-  """`pos` for a call with `nargs` positional arguments: in range, non-negative, disjoint."""
+def _check_names(names: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+  missing = [n for n in names if n not in kwargs]
+  if missing:
+    given = ", ".join(repr(k) for k in kwargs) or "none"
+    raise ValueError(
+      f"microbatch: batch_argnames names {missing[0]!r}, but the function was called without a "
+      f"keyword argument {missing[0]!r} (keywords given: {given}). Pass it by keyword "
+      f"({missing[0]}=...), or name its position in batch_argnums instead."
+    )
+
+
+def resolve(pos: Positions, nargs: int, kwargs: dict[str, Any]) -> Positions:
+  """`pos` for a call with `nargs` positional arguments and `kwargs`: present, in range, disjoint.
+
+  The positions become non-negative; their order (which `axes` follows) is kept.
+  """
   batch = _resolve_argnums("batch_argnums", pos.batch, nargs)
+  if len(set(batch)) != len(batch):
+    raise ValueError(f"microbatch: batch_argnums {pos.batch} name the same argument twice.")
+  _check_names(pos.names, kwargs)
   rngs = _resolve_argnums("rng_argnums", pos.rngs, nargs)
   states = _resolve_argnums("state_argnums", pos.states, nargs)
   for name, other in (("rng_argnums", rngs), ("state_argnums", states)):
@@ -86,38 +172,58 @@ def resolve(pos: Positions, nargs: int) -> Positions:
   return pos._replace(batch=batch, rngs=rngs, states=states)
 
 
-def batch_size(args: Sequence[Any], batch: tuple[int, ...], k: int) -> int:
-  """The common leading size of every leaf of the batch arguments; checks it divides by k."""
-  sizes = []  # (description, leading size or None)
-  for i in batch:
-    leaves = jax.tree.leaves_with_path(args[i])
+def _leaf_sizes(pos: Positions, trees: list[Any]) -> list[tuple[str, int | None, int]]:
+  """(description, size along the batch axis or None for a scalar, axis) for every leaf."""
+  sizes = []
+  for what, tree, axis in zip(pos.describe(), trees, pos.axes, strict=True):
+    leaves = jax.tree.leaves_with_path(tree)
     if not leaves:
-      raise ValueError(f"microbatch: batch argument {i} holds no arrays (got {args[i]!r}).")
+      raise ValueError(f"microbatch: batch {what} holds no arrays (got {tree!r}).")
     for path, x in leaves:
-      shape = jnp.shape(x)
-      sizes.append((f"argument {i}{jax.tree_util.keystr(path)}", shape[0] if shape else None))
-  scalars = [d for d, s in sizes if s is None]
+      shape, where = jnp.shape(x), f"{what}{jax.tree_util.keystr(path)}"
+      if shape and not -len(shape) <= axis < len(shape):
+        raise ValueError(
+          f"microbatch: batch_axes gives axis {axis} for {where}, which has shape {shape}: no "
+          "such axis."
+        )
+      sizes.append((where, shape[axis] if shape else None, axis))
+  return sizes
+
+
+def batch_size(pos: Positions, args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+  """The common size of every batch leaf along its batch axis."""
+  sizes = _leaf_sizes(pos, pos.batch_trees(args, kwargs))
+  scalars = [d for d, s, _ in sizes if s is None]
   if scalars:
     raise ValueError(
-      "microbatch: every leaf of a batch argument needs a leading batch axis; these are "
-      "scalars: " + ", ".join(scalars) + ". Maybe they belong in a non-batch argument "
-      "(see batch_argnums)."
+      "microbatch: every leaf of a batch argument needs a batch axis; these are scalars: "
+      + ", ".join(scalars)
+      + ". Maybe they belong in a non-batch argument (see batch_argnums, batch_argnames)."
     )
-  distinct = sorted({s for _, s in sizes})
-  if len(distinct) > 1:
-    listing = "\n".join(f"  {d}: {s}" for d, s in sizes)
+  if len({s for _, s, _ in sizes}) > 1:
+    listing = "\n".join(f"  {d}: {s} (axis {a})" for d, s, a in sizes)
     raise ValueError(
-      f"microbatch: the batch arguments disagree on the batch size (leading axis):\n{listing}"
+      f"microbatch: the batch arguments disagree on the batch size (along batch_axes):\n{listing}"
     )
-  size = distinct[0]
-  if size % k:
-    where = sizes[0][0]
+  return sizes[0][1]
+
+
+def num_microbatches(
+  pos: Positions, args: Sequence[Any], kwargs: dict[str, Any], k: int | None, size: int | None
+) -> tuple[int, int]:
+  """``(B, k)``: the batch size, and ``k`` (given, or ``B / microbatch_size``), which divides it."""
+  total = batch_size(pos, args, kwargs)
+  parts = k if k is not None else total // size
+  if not parts or total % parts or (k is None and total % size):
+    where, _, axis = _leaf_sizes(pos, pos.batch_trees(args, kwargs))[0]
+    along = f"leading size {total}" if axis == 0 else f"size {total} along axis {axis}"
+    given = f"num_microbatches={k}" if k is not None else f"microbatch_size={size}"
     raise ValueError(
-      f"microbatch: batch {where} has leading size {size}, which is not divisible by "
-      f"num_microbatches={k}. Choose k among the divisors of {size}, or pad the batch (and give "
-      "padding zero weight with weight_fn)."
+      f"microbatch: batch {where} has {along}, which is not divisible by {given}. "
+      f"Choose among the divisors of {total}, or pad the batch (and give padding zero weight "
+      "with weight_fn, or leave whole padding micro-batches out with num_real_microbatches)."
     )
-  return size
+  return total, parts
 
 
 def check_keys(args: Sequence[Any], rngs: tuple[int, ...]) -> None:
@@ -135,26 +241,30 @@ def check_keys(args: Sequence[Any], rngs: tuple[int, ...]) -> None:
         )
 
 
-def _axis(split: Split) -> int:
+def _axis(split: Split, axis: int) -> int:
   """The axis of a `split_batch` array that numbers the micro-batches."""
-  return 1 if split == "strided" else 0
+  return axis + 1 if split == "strided" else axis
 
 
-def split_batch(x: jax.Array, k: int, split: Split) -> jax.Array:
-  """``(B, ...) -> (b, k, ...)`` (strided) or ``(k, b, ...)`` (contiguous): free reshapes.
+def split_batch(x: jax.Array, k: int, split: Split, axis: int = 0) -> jax.Array:
+  """Axis ``B`` -> ``(b, k)`` (strided) or ``(k, b)`` (contiguous) in place: a free reshape.
 
   No transpose: micro-batch ``i`` is read inside the loop with `take` (a strided read for
   "strided"), so the full batch is never copied into another layout.
   """
-  b = x.shape[0] // k
-  if split == "strided":
-    return x.reshape(b, k, *x.shape[1:])
-  return x.reshape(k, b, *x.shape[1:])
+  axis %= x.ndim
+  b = x.shape[axis] // k
+  inner = (b, k) if split == "strided" else (k, b)
+  return x.reshape(*x.shape[:axis], *inner, *x.shape[axis + 1 :])
 
 
-def take(x: jax.Array, i: jax.Array, split: Split) -> jax.Array:
-  """Micro-batch ``i`` of a `split_batch` array: rows ``i, i+k, …`` or ``i·b, …, (i+1)·b - 1``."""
-  return lax.dynamic_index_in_dim(x, i, axis=_axis(split), keepdims=False)
+def take(x: jax.Array, i: jax.Array, split: Split, axis: int = 0) -> jax.Array:
+  """Micro-batch ``i`` of a `split_batch` array: rows ``i, i+k, …`` or ``i·b, …, (i+1)·b - 1``.
+
+  `axis` is the batch axis of the unsplit array (negative counts from its end).
+  """
+  axis %= x.ndim - 1
+  return lax.dynamic_index_in_dim(x, i, axis=_axis(split, axis), keepdims=False)
 
 
 def zeros_split(like: Any, k: int, split: Split) -> jax.Array:
@@ -165,14 +275,14 @@ def zeros_split(like: Any, k: int, split: Split) -> jax.Array:
 
 
 def put(buffer: jax.Array, y: jax.Array, i: jax.Array, split: Split) -> jax.Array:
-  """Writes micro-batch ``i``'s rows `y` into a `split_batch`-shaped `buffer` (in place)."""
-  return lax.dynamic_update_index_in_dim(buffer, y.astype(buffer.dtype), i, axis=_axis(split))
+  """Writes micro-batch ``i``'s rows `y` into a `zeros_split` `buffer` (in place)."""
+  return lax.dynamic_update_index_in_dim(buffer, y.astype(buffer.dtype), i, _axis(split, 0))
 
 
 def unsplit(y: jax.Array) -> jax.Array:
-  """The inverse of `split_batch`: ``(b, k, ...)`` or ``(k, b, ...)`` -> ``(k·b, ...)``, free.
+  """The inverse of `split_batch` on axis 0: ``(b, k, ...)`` or ``(k, b, ...)`` -> ``(k·b, ...)``.
 
-  A stack of scalars, ``(k,)``, stays as it is.
+  Free (a reshape). A stack of scalars, ``(k,)``, stays as it is.
   """
   if y.ndim < 2:
     return y

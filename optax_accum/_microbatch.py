@@ -1,25 +1,25 @@
-"""`microbatch`: one training step's batch as k micro-batches under one `lax.scan`.
+"""`microbatch`: one training step's batch as k micro-batches, run one after another in one loop.
 
 Reads top-down (`_run`): resolve where the batch, keys and state sit → reshape the batch
-arguments (free, no copy) → trace `fun` once abstractly for its output plan (which leaf is
-reduced how, which leaves are the threaded state) → one loop whose body reads micro-batch ``i``
-in place, calls `fun` on it and adds its outputs to sums kept in a named carry (with the shared
-`_core`, so XLA updates them in place) → reduce across devices and normalise, once, after the
-loop.
+arguments (free, no copy; which rows go into micro-batch ``i`` is `_batch`'s business) → trace
+`fun` once abstractly for its output plan (which leaf is reduced how, which leaves are the
+threaded state) → one loop whose body reads micro-batch ``i`` in place, calls `fun` on it and
+adds its outputs to sums kept in a named carry (with the shared `_core`, so XLA updates them in
+place) → reduce across devices and normalise, once, after the loop.
 
-Which rows go into micro-batch ``i`` (batch size ``B = k·b``):
-
-* ``split="strided"`` (default): rows ``i, i+k, i+2k, …`` — ``x.reshape(b, k, ...)``, axis 1.
-  The leading axis of every micro-batch is a slice of the full batch's leading axis, so a batch
-  sharded over devices stays sharded the same way (no reshard inside the loop).
-* ``split="contiguous"``: rows ``i·b, …, (i+1)·b - 1`` — ``x.reshape(k, b, ...)``.
+The loop is `lax.fori_loop`: with a trip count known when tracing (``k``, or a Python-int
+number of real micro-batches) it is one `lax.scan`, compiled to a loop of known trip count;
+with a traced count it is a while loop that stops after the real micro-batches. A `lax.scan`
+over all ``k`` with a `lax.cond` skipping the padding would run ``k`` iterations whatever the
+count, and on GPU XLA reads a conditional's predicate back to the host on each of them (as it
+reads a while loop's condition): the while loop does the least work and the fewest reads.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -60,7 +60,9 @@ class _Options(NamedTuple):
   """`microbatch`'s arguments, checked once when it is called."""
 
   fun: Callable[..., Any]
-  k: int  # num_microbatches
+  k: int | None  # num_microbatches; None when given as microbatch_size (then set per call)
+  microbatch_size: int | None
+  num_real: int | jax.Array | None  # num_real_microbatches: a host int, or a device scalar
   positions: _batch.Positions  # as given; resolved per call
   reduction: Any  # a reduction string, or a pytree prefix of fun's output of them
   weight_fn: Callable[..., Any] | None
@@ -76,6 +78,9 @@ class _Outputs(NamedTuple):
   tree: Any  # the PyTreeDef of fun's output
   like: tuple[jax.ShapeDtypeStruct, ...]  # one micro-batch's value, per leaf
   kinds: tuple[str, ...]  # per leaf: "mean", "sum", "concat", "last" or "state"
+  # Per "concat" leaf, the layout of its rows buffer: the split's for per-example values (one
+  # row per example: original example order), "contiguous" otherwise (micro-batch order).
+  layouts: tuple[Split, ...]
   state: tuple[tuple[int, ...], ...]  # per state argument: the output leaves of its new value
   total: jax.ShapeDtypeStruct  # the accumulated weight's type (its device variance)
 
@@ -91,7 +96,7 @@ class _Carry(NamedTuple):
   sums: list[jax.Array]  # Σ fᵢ of the "sum" leaves
   total: jax.Array  # Σ wᵢ; shape=(), dtype=jnp.float32
   last: list[jax.Array]  # the latest value of the "last" leaves
-  rows: list[jax.Array]  # every micro-batch's "concat" values, laid out like the split batch
+  rows: list[jax.Array]  # every micro-batch's "concat" values (zeros until written)
   state: tuple[Any, ...]  # the threaded state arguments
   # The call's (args, kwargs), batch arguments split: loop-invariant operands XLA neither
   # copies nor moves (values enter the loop as operands, not closures).
@@ -133,15 +138,68 @@ def _check_callables(fun: Any, weight_fn: Any, state_out: Any, states: tuple[int
     )
 
 
+def _check_sizes(num_microbatches: Any, microbatch_size: Any) -> tuple[int | None, int | None]:
+  """``(k, None)`` or ``(None, microbatch_size)``: exactly one of the two is given."""
+  if (num_microbatches is None) == (microbatch_size is None):
+    got = "neither" if num_microbatches is None else "both"
+    raise TypeError(
+      "microbatch: give exactly one of num_microbatches (how many micro-batches) and "
+      f"microbatch_size (examples per micro-batch), got {got}."
+    )
+  if microbatch_size is None:
+    return _checks.positive_int(num_microbatches, "num_microbatches", "microbatch"), None
+  return None, _checks.positive_int(microbatch_size, "microbatch_size", "microbatch")
+
+
+def _check_num_real(value: Any, k: int | None) -> int | jax.Array | None:
+  """A host int in ``[0, k]`` (checked), or an integer scalar array (clamped when it is used)."""
+  if value is None:
+    return None
+  if isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value[()]  # a 0-d NumPy array is a host value too
+  if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    if value < 0 or (k is not None and value > k):
+      upper = f"num_microbatches={k}" if k is not None else "num_microbatches"
+      raise ValueError(f"microbatch: num_real_microbatches must be in [0, {upper}], got {value}.")
+    return int(value)
+  if (
+    isinstance(value, jax.Array) and value.shape == () and jnp.issubdtype(value.dtype, jnp.integer)
+  ):
+    return value
+  what = f"{value.dtype}{list(value.shape)}" if isinstance(value, jax.Array) else repr(value)
+  raise TypeError(
+    "microbatch: num_real_microbatches must be None, an int, or an integer scalar array (e.g. "
+    f"traced under jax.jit), got {what} of type {type(value).__name__}."
+  )
+
+
+def _trips(num_real: int | jax.Array | None, k: int) -> int | jax.Array:
+  """How many micro-batches run: k, a checked host int, or a device scalar clamped into [0, k]."""
+  if num_real is None:
+    return k
+  if isinstance(num_real, int):
+    if num_real > k:
+      raise ValueError(
+        f"microbatch: num_real_microbatches={num_real} is more than the {k} micro-batches this "
+        "batch holds (batch size / microbatch_size)."
+      )
+    return num_real
+  return jnp.clip(num_real, 0, k).astype(jnp.int32)
+
+
 # ----------------------------------------------------------------------------------------------
 # The transform.
 
 
 def microbatch(
   fun: Callable[..., Any],
-  num_microbatches: int,
+  num_microbatches: int | None = None,
   *,
-  batch_argnums: ArgNums = 1,
+  microbatch_size: int | None = None,
+  batch_argnums: ArgNums | None = None,
+  batch_argnames: str | Sequence[str] = (),
+  batch_axes: int | Sequence[int] = 0,
+  num_real_microbatches: int | jax.Array | None = None,
   reduction: Any = "mean",
   weight_fn: Callable[..., Any] | None = None,
   rng_argnums: ArgNums = (),
@@ -164,10 +222,12 @@ def microbatch(
   * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`);
   * ``"sum"``: ``Σ fᵢ``, unweighted (for quantities already summed over examples: counts,
     summed losses);
-  * ``"concat"``: the per-micro-batch values joined along their leading (example) axis, in the
-    original example order for both splits (with "strided" that axis must have one row per
-    example of the micro-batch);
-  * ``"last"``: micro-batch ``k-1``'s value.
+  * ``"concat"``: the per-micro-batch values joined along their leading axis. Per-example
+    values (a leading axis of one row per example of the micro-batch) come back in the
+    original example order, for both splits. Other values (a scalar, another leading size)
+    are joined in micro-batch order: micro-batch 0's rows first; a scalar becomes a ``(k,)``
+    vector;
+  * ``"last"``: the last micro-batch's value.
 
   "mean" and "sum" are accumulated in `accum_dtype` and cast back to the output's dtype once,
   at the end.
@@ -178,12 +238,36 @@ def microbatch(
   that `state_out` selects (e.g. ``lambda out: out[0][1]``) come out as the final state whatever
   `reduction` says for them.
 
+  A padded batch (the last, partly empty batch of an epoch at the usual shape): pass
+  `num_real_microbatches` ``n`` and only the first ``n`` micro-batches run — the loop stops
+  after them. "mean" and "sum" cover the real micro-batches only, "last" and the state come
+  from the last real one, and "concat" rows of the others are zeros. With ``n = 0`` nothing
+  runs: "mean" and "sum" give zeros (as all-zero weights do) and the state comes back as given.
+
   Args:
     fun: the function to run per micro-batch, e.g. ``jax.value_and_grad(loss, has_aux=True)``.
     num_microbatches: ``k``, a positive int dividing the batch size. 1 calls `fun` directly.
-    batch_argnums: the positional arguments (pytrees) whose leaves' leading axis is the batch.
-      Every leaf must have the same leading size ``B``, divisible by ``k``. Other arguments
-      (and keyword arguments) are passed to every micro-batch unchanged.
+      Give this or `microbatch_size`, not both.
+    microbatch_size: the number of examples per micro-batch, ``b``, instead of ``k``
+      (then ``k = B / b`` at each call; ``B`` must be a multiple of ``b``).
+    batch_argnums: the positional arguments (pytrees) whose leaves have the batch axis.
+      Default: argument 1, or none when `batch_argnames` is given. Every batch leaf must have
+      the same size ``B`` along its batch axis, divisible by ``k``. Other arguments are passed
+      to every micro-batch unchanged.
+    batch_argnames: keyword arguments (a name or a sequence of names) that hold batch pytrees,
+      like `batch_argnums`; calls must pass them by keyword.
+    batch_axes: the batch axis: one int for every batch argument, or one per argument in the
+      order ``batch_argnums + batch_argnames``, e.g. 1 for sequence-major ``(T, B, ...)``
+      data. It stays where it is: `fun` sees ``(T, b, ...)``.
+    num_real_microbatches: how many micro-batches run (the first ``n``, in `split` order):
+      None (all ``k``), a Python int in ``[0, k]``, or an integer scalar array — typically
+      traced under `jax.jit`, so that one compiled program serves every ``n``; it is clamped
+      into ``[0, k]``. A traced count runs as a while loop whose trip count is data-dependent:
+      it cannot be differentiated in reverse mode (take gradients inside `fun`, as
+      `jax.value_and_grad` does), and on GPU XLA reads its condition back to the host once
+      per micro-batch (a Python int keeps a fixed trip count, one compile per value). With
+      `axis_name` each device may hold its own count; "mean" and "sum" then cover every
+      device's real micro-batches.
     reduction: "mean", "sum", "concat" or "last", or a pytree prefix of `fun`'s output with
       those strings at its leaves, e.g. ``("mean", "concat")`` for ``(loss, logits)``.
     weight_fn: called like `fun` (the batch arguments replaced by one micro-batch, the same
@@ -213,10 +297,12 @@ def microbatch(
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above.
 
   Raises:
-    TypeError, ValueError: for a bad `num_microbatches`, argnums, `reduction`, `split` or
-      `weight_fn` (when called here), and at trace time for a batch size not divisible by ``k``,
-      batch arguments that disagree on the batch size, positions out of range, a `reduction`
-      that does not fit the output, or a `state_out` that does not select output leaves.
+    TypeError, ValueError: here, for a bad `num_microbatches`/`microbatch_size` (or both, or
+      neither), argnums, argnames, `batch_axes`, `num_real_microbatches`, `reduction`,
+      `split` or `weight_fn`; at trace time, for a batch size not divisible by ``k`` (or
+      `microbatch_size`), batch arguments that disagree on the batch size, positions out of
+      range, a missing keyword batch argument, a `reduction` that does not fit the output,
+      or a `state_out` that does not select output leaves.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> def loss(w, x):
@@ -226,14 +312,26 @@ def microbatch(
   >>> value, grad = step(w, x)
   >>> bool(jnp.allclose(value, loss(w, x))), bool(jnp.allclose(grad, jax.grad(loss)(w, x)))
   (True, True)
+
+  The last batch of an epoch, padded: one compiled program for any number of real rows.
+
+  >>> @jax.jit
+  ... def padded_step(w, x, n):
+  ...   return optax_accum.microbatch(jax.value_and_grad(loss), 4, num_real_microbatches=n)(w, x)
+  >>> value, grad = padded_step(w, x, 2)  # micro-batches 0 and 1: rows 0, 1, 4, 5
+  >>> bool(jnp.allclose(value, loss(w, x[jnp.array([0, 1, 4, 5])])))
+  True
   """
-  pos = _batch.positions(batch_argnums, rng_argnums, state_argnums)
+  pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, rng_argnums, state_argnums)
   _check_callables(fun, weight_fn, state_out, pos.states)
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
+  k, size = _check_sizes(num_microbatches, microbatch_size)
   opts = _Options(
     fun=fun,
-    k=_checks.positive_int(num_microbatches, "num_microbatches", "microbatch"),
+    k=k,
+    microbatch_size=size,
+    num_real=_check_num_real(num_real_microbatches, k),
     positions=pos,
     reduction=_check_reduction(reduction),
     weight_fn=weight_fn,
@@ -252,21 +350,27 @@ def microbatch(
 
 def _run(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
   """The whole transformed call: every call of a `microbatch` function comes through here."""
-  pos = _batch.resolve(opts.positions, len(args))
-  size = _batch.batch_size(args, pos.batch, opts.k)
+  pos = _batch.resolve(opts.positions, len(args), kwargs)
+  size, k = _batch.num_microbatches(pos, args, kwargs, opts.k, opts.microbatch_size)
+  opts = opts._replace(k=k)
+  trips = _trips(opts.num_real, k)
   _batch.check_keys(args, pos.rngs)
   _collectives.check_bound(opts.axis_name, "microbatch")
-  if opts.k == 1 and opts.axis_name is None:
+  if k == 1 and isinstance(trips, int) and trips == 1 and opts.axis_name is None:
     out = opts.fun(*args, **kwargs)
     _leaf_reductions(opts.reduction, jax.eval_shape(lambda: out))  # the checks of k > 1
     return out
   operands = _operands(args, kwargs, pos, opts)
   state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in pos.states)
-  plan = _plan(opts, pos, operands, state0, size // opts.k)
+  plan = _plan(opts, pos, operands, state0, size // k)
   carry = _init(opts, plan, state0, operands)
   body = functools.partial(_body, opts=opts, pos=pos, plan=plan)
-  # Static bounds: one lax.scan. k == 1 (only with axis_name) is one call, no loop.
-  carry = body(jnp.int32(0), carry) if opts.k == 1 else lax.fori_loop(0, opts.k, body, carry)
+  if isinstance(trips, int) and trips == 1:
+    carry = body(jnp.int32(0), carry)  # one micro-batch: one call, no loop
+  else:
+    # A Python trip count makes this one lax.scan; a traced one a while loop that stops after
+    # the real micro-batches (its trip count is data-dependent).
+    carry = lax.fori_loop(0, trips, body, carry)
   return _finish(opts, plan, carry)
 
 
@@ -279,14 +383,30 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
+  axes = dict(zip(pos.batch, pos.axes[: len(pos.batch)], strict=True))
+  names = dict(zip(pos.names, pos.axes[len(pos.batch) :], strict=True))
   a = []
   for j, x in enumerate(args):
-    if j in pos.batch:
-      x = jax.tree.map(lambda v: _batch.split_batch(jnp.asarray(v), opts.k, opts.split), x)
+    if j in axes:
+      x = _split(x, opts.k, opts.split, axes[j])
     elif j not in pos.rngs:
       x = _collectives.to_varying(x, opts.axis_name)
     a.append(x)
-  return a, _collectives.to_varying(kwargs, opts.axis_name)
+  kw = {
+    n: _split(x, opts.k, opts.split, names[n])
+    if n in names
+    else _collectives.to_varying(x, opts.axis_name)
+    for n, x in kwargs.items()
+  }
+  return a, kw
+
+
+def _split(tree: Any, k: int, split: Split, axis: int) -> Any:
+  return jax.tree.map(lambda v: _batch.split_batch(jnp.asarray(v), k, split, axis), tree)
+
+
+def _take(tree: Any, i: Any, split: Split, axis: int) -> Any:
+  return jax.tree.map(lambda v: _batch.take(v, i, split, axis), tree)
 
 
 def _fold_keys(keys: Any, i: jax.Array, k: int, axis_name: AxisName | None) -> Any:
@@ -305,17 +425,19 @@ def _call(
 ) -> tuple[Any, jax.Array | None]:
   """`fun` and `weight_fn` on micro-batch ``i``: ``(output, weight or None)``."""
   args, kwargs = operands
-  a = list(args)
-  for j in pos.batch:
-    a[j] = jax.tree.map(lambda x: _batch.take(x, i, opts.split), args[j])
+  a, kw = list(args), dict(kwargs)
+  for j, axis in zip(pos.batch, pos.axes[: len(pos.batch)], strict=True):
+    a[j] = _take(args[j], i, opts.split, axis)
+  for n, axis in zip(pos.names, pos.axes[len(pos.batch) :], strict=True):
+    kw[n] = _take(kwargs[n], i, opts.split, axis)
   for j in pos.rngs:
     a[j] = _fold_keys(args[j], i, opts.k, opts.axis_name)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
-  out = opts.fun(*a, **kwargs)
+  out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
     return out, None
-  return out, _checks.weight(opts.weight_fn(*a, **kwargs), "microbatch: weight_fn")
+  return out, _checks.weight(opts.weight_fn(*a, **kw), "microbatch: weight_fn")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,11 +470,15 @@ def _plan(opts: _Options, pos, operands, state0: tuple, b: int) -> _Outputs:
   for leaves in state:
     for n in leaves:
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
-  _check_concat([(n, x) for n, x in enumerate(like) if kinds[n] == "concat"], b, opts)
+  layouts = tuple(
+    opts.split if x.shape and x.shape[0] == b else "contiguous"
+    for x, r in zip(like, kinds, strict=True)
+    if r == "concat"
+  )
   total = jax.ShapeDtypeStruct((), jnp.float32)
   if w_t is not None:  # the total weight varies across devices wherever the weights do
     total = jax.eval_shape(lambda w: jnp.zeros((), jnp.float32) + w.astype(jnp.float32), w_t)
-  return _Outputs(tree, tuple(like), tuple(kinds), state, total)
+  return _Outputs(tree, tuple(like), tuple(kinds), layouts, state, total)
 
 
 # `state_out` is applied to integer markers ``n * _STRIDE + _OFFSET`` in place of output leaf
@@ -434,29 +560,6 @@ def _check_state_shapes(states: tuple[int, ...], new: list[list[Any]], state0: t
     raise ValueError("microbatch: state_out's new state changes shapes:\n" + "\n".join(bad))
 
 
-def _check_concat(concat: list[tuple[int, Any]], b: int, opts: _Options) -> None:
-  """'concat' outputs need an example axis to join along (of size b with the strided split)."""
-  strided = opts.split == "strided"
-  bad = [
-    f"  output leaf {n}: shape {x.shape}"
-    for n, x in concat
-    if not x.shape or (strided and x.shape[0] != b)
-  ]
-  if bad:
-    need = (
-      f"a leading axis of size {b} (one row per example)"
-      if strided
-      else "a leading axis to concatenate along"
-    )
-    raise ValueError(
-      f"microbatch: reduction 'concat' needs {need}; with {opts.k} micro-batches of {b} "
-      "examples these outputs have none:\n"
-      + "\n".join(bad)
-      + "\nUse 'mean'/'sum'/'last' for them, or (for outputs with several rows per example) "
-      "split='contiguous'."
-    )
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop: its carry, its body, and what comes out of it.
 
@@ -476,7 +579,10 @@ def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Ca
     sums=vary(_core.zeros(sums_t, opts.accum_dtype), sums_t),
     total=vary(jnp.zeros((), jnp.float32), plan.total),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
-    rows=[vary(_batch.zeros_split(t, opts.k, opts.split), t) for t in plan.pick(like, "concat")],
+    rows=[
+      vary(_batch.zeros_split(t, opts.k, layout), t)
+      for t, layout in zip(plan.pick(like, "concat"), plan.layouts, strict=True)
+    ],
     state=vary(state0, _state_like(plan, state0)),
     operands=operands,
   )
@@ -500,8 +606,8 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _Outputs) -
   # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
   sums, _, _ = _core.add(carry.sums, total, plan.pick(leaves, "sum"), None, skip_nonfinite=False)
   rows = [
-    _batch.put(r, y, i, opts.split)
-    for r, y in zip(carry.rows, plan.pick(leaves, "concat"), strict=True)
+    _batch.put(r, y, i, layout)
+    for r, y, layout in zip(carry.rows, plan.pick(leaves, "concat"), plan.layouts, strict=True)
   ]
   state = _new_state(plan, leaves, carry.state)
   new = _Carry(means, sums, total, plan.pick(leaves, "last"), rows, state, carry.operands)

@@ -68,16 +68,46 @@ def _divisors(n: int) -> list[int]:
   return sorted(set(small + [n // d for d in small]))
 
 
+def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) -> list[int]:
+  """The divisors of the batch size, from `microbatch`'s own reading of the batch arguments.
+
+  With a Python int `num_real_microbatches` ``n``, only ``k >= n`` can hold ``n`` micro-batches.
+  """
+  for name in ("num_microbatches", "microbatch_size"):
+    if name in options:
+      raise TypeError(f"plan_microbatches: {name} is what it chooses; do not pass it.")
+  pos = _batch.positions(
+    options.get("batch_argnums"),
+    options.get("batch_argnames", ()),
+    options.get("batch_axes", 0),
+    (),
+    (),
+  )
+  size = _batch.batch_size(_batch.resolve(pos, len(args), kwargs), args, kwargs)
+  n = options.get("num_real_microbatches")
+  least = n if isinstance(n, int | np.integer) and not isinstance(n, bool) else 1
+  if least > size:
+    raise ValueError(
+      f"plan_microbatches: num_real_microbatches={n} is more than the batch size {size}: no "
+      "num_microbatches can hold that many micro-batches."
+    )
+  return [k for k in _divisors(size) if k >= least]
+
+
 def plan_microbatches(
   fun: Callable[..., Any],
   *args: Any,
   memory_limit: int | None = None,
+  kwargs: dict[str, Any] | None = None,
   **microbatch_kwargs: Any,
 ) -> MicrobatchPlan:
   """Picks the smallest `num_microbatches` whose compiled `microbatch(fun, k)` fits in memory.
 
-  The candidates are the divisors of the batch size ``B``. Each candidate is compiled with
-  ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args).compile()`` — never run —
+  The candidates are the divisors of the batch size ``B`` (read as `microbatch` reads it: the
+  batch arguments named by `batch_argnums`/`batch_argnames`, along `batch_axes`), and only
+  those ``k >= n`` for a Python-int `num_real_microbatches` ``n``. Each candidate is compiled
+  with ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args, **kwargs).compile()`` —
+  never run —
   and its peak is ``argument + output + temp - alias`` bytes from the compiled program's
   ``memory_analysis()`` (`optax_accum._hlo.peak_bytes`). The search gallops up the divisors (1st,
   2nd, 4th, 8th, … smallest) until one fits, then bisects between the last that did not fit
@@ -93,16 +123,21 @@ def plan_microbatches(
     memory_limit: the budget in bytes; None means the device's reported limit
       (``jax.local_devices()[0].memory_stats()["bytes_limit"]``; GPUs and TPUs report one, CPUs
       do not).
-    **microbatch_kwargs: passed to `microbatch` (`batch_argnums`, `reduction`, `weight_fn`, …).
+    kwargs: `fun`'s keyword arguments (a dict), e.g. the batch when `batch_argnames` names it;
+      arrays or `jax.ShapeDtypeStruct`s like `args`.
+    **microbatch_kwargs: passed to `microbatch` (`batch_argnums`, `batch_argnames`,
+      `batch_axes`, `num_real_microbatches`, `reduction`, `weight_fn`, …), all but
+      `num_microbatches` and `microbatch_size`, which are what it chooses.
 
   Returns:
     A `MicrobatchPlan(num_microbatches, peak_bytes, memory_limit)`; `peak_bytes` maps every
     compiled candidate ``k`` to its peak. It prints as a small table.
 
   Raises:
-    ValueError: when `memory_limit` is None and the device reports no limit, or when no
-      candidate fits (the message gives the smallest peak found); and `microbatch`'s errors.
-    TypeError: for a bad `memory_limit` or a `num_microbatches` keyword.
+    ValueError: when `memory_limit` is None and the device reports no limit, when no
+      candidate fits (the message gives the smallest peak found), or when a Python-int
+      `num_real_microbatches` exceeds the batch size; and `microbatch`'s errors.
+    TypeError: for a bad `memory_limit`, or a `num_microbatches` or `microbatch_size` keyword.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> def loss(w, x):
@@ -113,19 +148,16 @@ def plan_microbatches(
   >>> plan.num_microbatches  # 1 GiB is plenty for the whole batch
   1
   """
-  if "num_microbatches" in microbatch_kwargs:
-    raise TypeError("plan_microbatches: num_microbatches is what it chooses; do not pass it.")
+  kwargs = dict(kwargs or {})
+  candidates = _candidates(args, kwargs, microbatch_kwargs)
   limit = _check_limit(memory_limit)
-  pos = _batch.positions(microbatch_kwargs.get("batch_argnums", 1), (), ())
-  size = _batch.batch_size(args, _batch.resolve(pos, len(args)).batch, 1)
-  candidates = _divisors(size)
   peaks: dict[int, int] = {}
 
   def fits(n: int) -> bool:
     k = candidates[n]
     if k not in peaks:
       step = _microbatch.microbatch(fun, k, **microbatch_kwargs)
-      peaks[k] = _hlo.peak_bytes(jax.jit(step).lower(*args).compile())
+      peaks[k] = _hlo.peak_bytes(jax.jit(step).lower(*args, **kwargs).compile())
     return peaks[k] <= limit
 
   # Gallop: indices 0, 1, 3, 7, … (clipped to the last) until one fits.
@@ -135,9 +167,9 @@ def plan_microbatches(
       k_min = min(peaks, key=peaks.get)
       raise ValueError(
         f"plan_microbatches: memory_limit={limit} bytes ({limit / 2**20:.1f} MiB) is too small "
-        f"for any num_microbatches dividing the batch size {size}: the smallest compiled peak "
-        f"was {peaks[k_min]} bytes ({peaks[k_min] / 2**20:.1f} MiB) at num_microbatches="
-        f"{k_min}. The arguments alone (e.g. the parameters) may not fit; tried "
+        f"for any num_microbatches dividing the batch size {candidates[-1]}: the smallest "
+        f"compiled peak was {peaks[k_min]} bytes ({peaks[k_min] / 2**20:.1f} MiB) at "
+        f"num_microbatches={k_min}. The arguments alone (e.g. the parameters) may not fit; tried "
         f"{sorted(peaks)}."
       )
     below, n = n, min(2 * n + 1, len(candidates) - 1)

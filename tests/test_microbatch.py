@@ -507,7 +507,7 @@ def test_microbatch_rejects_disagreeing_batch_sizes():
 
 
 def test_microbatch_rejects_scalar_batch_leaf():
-  with pytest.raises(ValueError, match=r"leading batch axis; these are scalars: argument 1"):
+  with pytest.raises(ValueError, match=r"needs a batch axis; these are scalars: argument 1"):
     microbatch(_sum, 2)(1.0, jnp.float32(3.0))
 
 
@@ -549,10 +549,26 @@ def test_microbatch_rejects_reduction_tree_not_matching_output(reduction):
     f(1.0, jnp.ones(4))
 
 
-def test_microbatch_rejects_concat_of_scalar():
-  f = microbatch(_sum, 2, reduction="concat")
-  with pytest.raises(ValueError, match=r"'concat' needs a leading axis of size 2"):
-    f(1.0, jnp.ones(4))
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_microbatch_concat_without_example_rows_joins_in_microbatch_order(split):
+  # 12 rows, k=3 (b=4): a scalar and a 2-row summary per micro-batch have no row per example;
+  # they are joined in micro-batch order (a scalar becomes a (k,) vector), while the per-example
+  # output keeps the original example order.
+  k, x = 3, np.arange(24.0, dtype=np.float32).reshape(12, 2)
+
+  def fun(x):
+    return {"total": jnp.sum(x), "ends": jnp.stack([x[0], x[-1]]), "rows": 2 * x}
+
+  got = jax.jit(microbatch(fun, k, batch_argnums=0, split=split, reduction="concat"))(x)
+  micro = [x[i::k] if split == "strided" else x[4 * i : 4 * (i + 1)] for i in range(k)]
+  chex.assert_trees_all_equal(
+    got,
+    {
+      "total": np.array([m.sum() for m in micro], np.float32),
+      "ends": np.concatenate([np.stack([m[0], m[-1]]) for m in micro]),
+      "rows": 2 * x,
+    },
+  )
 
 
 def test_microbatch_rejects_other_bad_options():

@@ -112,13 +112,43 @@ def test_plan_uses_device_limit_when_reported(monkeypatch):
   assert plan.memory_limit == 2**40 and plan.num_microbatches == 1
 
 
+def test_plan_reads_keyword_batch_along_its_axis():
+  # The batch as a keyword argument, batch-minor: the same candidates and peaks as compiling
+  # microbatch(...) directly with those arguments.
+  def loss(w, *, xt):
+    return _loss(w, xt.T)
+
+  vg = jax.value_and_grad(loss)
+  xt = jax.ShapeDtypeStruct((128, 2048), jnp.float32)
+  options = dict(batch_argnames="xt", batch_axes=1)
+
+  def peak(k):
+    step = jax.jit(microbatch(vg, k, **options))
+    return compiled_peak_bytes(step.lower(W, xt=xt).compile())
+
+  p2, p4 = peak(2), peak(4)
+  assert p4 < p2
+  plan = plan_microbatches(vg, W, kwargs={"xt": xt}, memory_limit=(p2 + p4) // 2, **options)
+  assert plan.num_microbatches == 4
+  assert plan.peak_bytes[4] == p4 and plan.peak_bytes[2] == p2
+
+
+def test_plan_with_num_real_microbatches_only_tries_k_that_holds_them():
+  plan = plan_microbatches(_VG, W, X, memory_limit=2**40, num_real_microbatches=3)
+  assert plan.num_microbatches == 4  # the smallest divisor of 2048 that holds 3 micro-batches
+  assert list(plan.peak_bytes) == [4]
+  assert plan.peak_bytes[4] == _peak(4, num_real_microbatches=3)
+
+
 @pytest.mark.parametrize(
   "kwargs, error, match",
   [
     (dict(memory_limit=-1), ValueError, "memory_limit must be positive bytes, got -1"),
     (dict(memory_limit="1GB"), TypeError, "memory_limit must be a number of bytes or None"),
     (dict(memory_limit=True), TypeError, "memory_limit must be a number of bytes or None"),
-    (dict(memory_limit=2**30, num_microbatches=2), TypeError, "do not pass it"),
+    (dict(memory_limit=2**30, num_microbatches=2), TypeError, "num_microbatches is what it"),
+    (dict(memory_limit=2**30, microbatch_size=8), TypeError, "microbatch_size is what it chooses"),
+    (dict(memory_limit=2**30, num_real_microbatches=4096), ValueError, "more than the batch size"),
     (dict(memory_limit=2**30, batch_argnums=3), ValueError, "batch_argnums contains 3"),
   ],
 )
