@@ -1,6 +1,7 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+from optax_accum._gspmd import data_parallel
 from optax_accum._hlo import count_collectives
 from optax_accum._microbatch import microbatch
 from optax_accum._plan import MicrobatchPlan, plan_microbatches
@@ -13,6 +14,7 @@ __all__ = [
   "TrainStep",
   "accumulate",
   "count_collectives",
+  "data_parallel",
   "has_updated",
   "microbatch",
   "plan_microbatches",

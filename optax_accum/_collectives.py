@@ -19,13 +19,17 @@ from jax import lax
 from optax_accum._typing import AxisName, Reduction
 
 AXIS_NOT_BOUND = (
-  "axis_name={axis!r} is not bound here. `axis_name` names a mapped axis of an enclosing "
-  "`jax.shard_map` (its mesh axis) or `jax.pmap` (its `axis_name=`); call this inside the "
-  "mapped function, e.g.\n\n"
+  "axis_name={axis!r} is not bound here. `axis_name` names a mapped axis: a mesh axis of an "
+  "enclosing `jax.shard_map` (or `jax.pmap`'s `axis_name=`), or, under plain `jax.jit`, an "
+  "axis of the mesh in effect once `optax_accum.data_parallel` binds it. {where}Either call "
+  "this inside the mapped function, e.g.\n\n"
   "    @jax.shard_map(mesh=mesh, in_specs=..., out_specs=...)\n"
   "    def train_step(params, opt_state, batch): ...  # tx.update(...) in here\n\n"
-  "Under plain `jax.jit` with sharded arrays (no mapped axis) pass axis_name=None: XLA inserts "
-  "the reduction itself."
+  "or, under plain `jax.jit` with a mesh that has an axis {axis!r}, let `data_parallel` bind it "
+  "(the other mesh axes stay automatic):\n\n"
+  "    jax.set_mesh(jax.make_mesh((jax.device_count(),), ({axis!r},)))\n"
+  "    train_step = jax.jit(optax_accum.data_parallel(train_step, {axis!r}, batch_argnums=2))\n\n"
+  "or pass axis_name=None and let XLA reduce every micro-batch's gradient itself."
 )
 
 ALREADY_REDUCED = (
@@ -49,18 +53,37 @@ def axis_names(axis_name: AxisName) -> tuple[str, ...]:
   return tuple(axis_name) if isinstance(axis_name, tuple | list) else (axis_name,)
 
 
-def check_bound(axis_name: AxisName | None, caller: str) -> None:
-  """Raises a clear ValueError if `axis_name` is not bound by an enclosing map."""
-  if axis_name is None:
-    return
+def is_bound(axis_name: AxisName) -> bool:
+  """True when every name in `axis_name` is bound by an enclosing map (shard_map, pmap, vmap)."""
   try:
     lax.axis_index(axis_name)
-  except NameError as e:
-    raise ValueError(f"{caller}: " + AXIS_NOT_BOUND.format(axis=axis_name)) from e
+  except NameError:
+    return False
+  return True
+
+
+def _mesh_in_effect() -> str:
+  """Where the mesh in effect stands, for AXIS_NOT_BOUND."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return "No mesh is in effect (`jax.set_mesh`). "
+  return f"The mesh in effect has axes {tuple(mesh.axis_names)}. "
+
+
+def check_bound(axis_name: AxisName | None, caller: str) -> None:
+  """Raises a clear ValueError if `axis_name` is not bound by an enclosing map."""
+  if axis_name is None or is_bound(axis_name):
+    return
+  raise ValueError(f"{caller}: " + AXIS_NOT_BOUND.format(axis=axis_name, where=_mesh_in_effect()))
 
 
 def vma(x: Any) -> frozenset:
   """The mapped axes over which `x` is device-varying (empty outside shard_map or untracked)."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    # Read the struct's own field: inside a shard_map that is manual over some axes of a mesh
+    # with Auto axes, `eval_shape` returns structs without a sharding, which `jax.typeof`
+    # rejects (an AssertionError in jax 0.10.2).
+    return frozenset(getattr(getattr(x, "manual_axis_type", None), "varying", None) or ())
   t = jax.typeof(x)
   v = getattr(t, "vma", None)  # the jax < 0.9 spelling
   if v is None:
@@ -69,7 +92,12 @@ def vma(x: Any) -> frozenset:
 
 
 def tracks_variance(axis_name: AxisName) -> bool:
-  """True when the enclosing map tracks device variance (shard_map with check_vma)."""
+  """True when the enclosing map tracks device variance (shard_map with check_vma).
+
+  Raises:
+    ValueError: `AXIS_NOT_BOUND`, if no enclosing map binds `axis_name`.
+  """
+  check_bound(axis_name, "optax_accum")
   return all(a in vma(lax.axis_index(axis_name)) for a in axis_names(axis_name))
 
 

@@ -70,13 +70,39 @@ def _structure(tx, axes: tuple[str, ...]):
     raise
 
 
-def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None) -> Any:
+def _names(part) -> tuple:
+  return () if part is None else part if isinstance(part, tuple) else (part,)
+
+
+def _stacked(path, spec: PartitionSpec, axes: tuple[str, ...], gathered: bool) -> PartitionSpec:
+  """The spec of a per-device accumulator: the parameter's spec, stacked over `axes`."""
+  lead = axes[0] if len(axes) == 1 else axes
+  used = {a for part in spec for a in _names(part)}
+  if used & set(axes):
+    if not gathered:
+      raise ValueError(
+        f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
+        f"axis_name={lead!r} (spec {spec}), so its per-device accumulator cannot be stacked "
+        "over that axis too. With `optax_accum.data_parallel` (sync='update') such a parameter "
+        "is gathered on every device and its accumulator is full-size: pass gathered=True. "
+        "For an accumulator sharded like the parameter, use accumulate(..., axis_name=None) "
+        "(one reduction per micro-step)."
+      )
+    parts = [tuple(a for a in _names(part) if a not in axes) for part in spec]
+    spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
+  return PartitionSpec(lead, *spec)
+
+
+def state_partition_specs(
+  tx: Any, params_specs: Any, axis_name: AxisName | None, *, gathered: bool = False
+) -> Any:
   """Partition specs (or shardings) for every leaf of ``tx.init(params)``.
 
   Use them as the ``out_specs`` of the `shard_map` that calls ``tx.init`` and as the
   ``in_specs``/``out_specs`` of every train step, so that the state lives across separately
-  jitted calls; or, with `NamedSharding` leaves and ``axis_name=None``, as the
-  ``out_shardings`` of a jitted ``init`` under GSPMD.
+  jitted calls; or, with `NamedSharding` leaves, as the ``out_shardings`` of a jitted ``init``
+  and train step under GSPMD (with ``axis_name=None``, or with the axis that
+  `optax_accum.data_parallel` binds).
 
   * Tree-shaped like the parameters (the accumulator, the inner optimizer's moments): each leaf
     gets its parameter's spec; the per-device accumulator sums get ``P(axis_name, *spec)``.
@@ -91,15 +117,19 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None
       `NamedSharding`, shaped like the parameters.
     axis_name: the ``axis_name`` given to `accumulate` (the mapped data-parallel axis), or None
       when the optimizer has none.
+    gathered: whether parameters sharded over `axis_name` (FSDP) are gathered on every device
+      where the gradients are taken, as `optax_accum.data_parallel` does: their per-device
+      accumulators are then full-size, ``P(axis_name, *spec without axis_name)``. Without it
+      such a parameter is an error.
 
   Returns:
     A tree shaped like ``tx.init(params)`` with a `PartitionSpec` (or a `NamedSharding`, when
     `params_specs` holds shardings) at every leaf.
 
   Raises:
-    ValueError: if a parameter's spec already uses `axis_name` (the accumulator would need it
-      twice), if the state holds per-device fields but `axis_name` is None, or if the optimizer
-      reduces over another axis.
+    ValueError: if a parameter's spec already uses `axis_name` (without `gathered`), if the
+      state holds per-device fields but `axis_name` is None, or if the optimizer reduces over
+      another axis.
 
   >>> import jax, optax, optax_accum
   >>> from jax.sharding import PartitionSpec as P
@@ -109,6 +139,9 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None
   ({'w': P('data', None, 'model')}, P('data',), P())
   >>> specs.inner_state[0].mu
   {'w': P(None, 'model')}
+  >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data", gathered=True)
+  >>> fsdp.acc_grads, fsdp.inner_state[0].mu
+  ({'w': P('data', None)}, {'w': P('data',)})
   """
   axes = _axes(axis_name)
   lead = None if not axes else axes[0] if len(axes) == 1 else axes
@@ -129,18 +162,6 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None
   def spec_of(s) -> PartitionSpec:
     return s.spec if isinstance(s, NamedSharding) else s
 
-  def stacked(path, s):
-    spec = spec_of(s)
-    used = {a for part in spec for a in (part if isinstance(part, tuple) else (part,))}
-    if used & set(axes):
-      raise ValueError(
-        f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
-        f"axis_name={lead!r} (spec {spec}), so its per-device accumulator cannot be stacked "
-        "over that axis too. `accumulate(axis_name=...)` is for data-parallel axes over which "
-        "the parameters are replicated."
-      )
-    return out(PartitionSpec(lead, *spec))
-
   def params_like(fn):
     return jax.tree.map_with_path(fn, params_specs, is_leaf=_is_spec)
 
@@ -156,7 +177,7 @@ def state_partition_specs(tx: Any, params_specs: Any, axis_name: AxisName | None
       if x.acc_grads is None:
         acc = None
       elif per_device:
-        acc = params_like(stacked)
+        acc = params_like(lambda p, s: out(_stacked(p, spec_of(s), axes, gathered)))
       else:
         acc = params_like(lambda _, s: out(spec_of(s)))
       return AccumulateState(
