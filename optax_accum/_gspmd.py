@@ -152,41 +152,52 @@ def _batch_spec(x: Any, axis: int, lead: Any, n: int, where: str, caller: str) -
   return P(*([None] * axis), lead)
 
 
-def _canonical_batch(batch_argnums: Any, batch_axes: Any, caller: str) -> dict[int, int]:
-  """{argument position: batch axis}."""
+def _canonical_batch(
+  batch_argnums: Any, batch_argnames: Any, batch_axes: Any, caller: str
+) -> dict[int | str, int]:
+  """{argument position or keyword: batch axis}, axes in the order argnums then argnames."""
   nums = (batch_argnums,) if isinstance(batch_argnums, int | np.integer) else tuple(batch_argnums)
+  names = (batch_argnames,) if isinstance(batch_argnames, str) else tuple(batch_argnames)
+  keys = tuple(int(a) for a in nums) + names
   if isinstance(batch_axes, int | np.integer):
-    axes = (int(batch_axes),) * len(nums)
+    axes = (int(batch_axes),) * len(keys)
   else:
-    axes = tuple(batch_axes)
-    if len(axes) != len(nums):
+    axes = tuple(int(a) for a in batch_axes)
+    if len(axes) != len(keys):
       raise ValueError(
-        f"{caller}: batch_axes must be an int or have one entry per batch argument, got "
-        f"batch_axes={batch_axes!r} for batch_argnums={batch_argnums!r}."
+        f"{caller}: batch_axes must be an int or have one entry per batch argument "
+        f"(batch_argnums, then batch_argnames), got batch_axes={batch_axes!r} for "
+        f"{len(keys)} batch arguments."
       )
-  return dict(zip((int(a) for a in nums), (int(a) for a in axes), strict=True))
+  return dict(zip(keys, axes, strict=True))
 
 
-def _in_specs(args: tuple, batch: dict[int, int], lead: Any, n: int, caller: str) -> tuple:
-  """One spec tree per positional argument (over the bound axis only)."""
-  specs = []
-  for i, a in enumerate(args):
-    if i in batch:
-      specs.append(
-        jax.tree_util.tree_map_with_path(
-          lambda p, x, i=i: _batch_spec(
-            x, batch[i], lead, n, f"argument {i}{jax.tree_util.keystr(p)}", caller
-          ),
-          a,
+def _resolve(batch: dict[int | str, int], nargs: int, kwargs: dict, caller: str) -> dict:
+  """The batch positions of this call: negative positions counted from the end, all present."""
+  out: dict[int | str, int] = {}
+  for key, axis in batch.items():
+    if isinstance(key, str):
+      if key not in kwargs:
+        raise ValueError(
+          f"{caller}: batch argument {key!r} (batch_argnames) was not passed by keyword; got "
+          f"keywords {sorted(kwargs)}."
         )
-      )
-    else:
-      specs.append(
-        jax.tree.map(
-          lambda x: _state_specs(x, lead) if _per_device_state(x) else P(), a, is_leaf=_is_state
-        )
-      )
-  return tuple(specs)
+    elif not -nargs <= key < nargs:
+      raise ValueError(f"{caller}: batch_argnums {key} is out of range for {nargs} arguments.")
+    out[key % nargs if isinstance(key, int) else key] = axis
+  return out
+
+
+def _arg_specs(key: int | str, a: Any, batch: dict, lead: Any, n: int, caller: str) -> Any:
+  """The spec tree of one argument (over the bound axis only)."""
+  if key in batch:
+    name = f"argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
+    return jax.tree_util.tree_map_with_path(
+      lambda p, x: _batch_spec(x, batch[key], lead, n, name + jax.tree_util.keystr(p), caller), a
+    )
+  return jax.tree.map(
+    lambda x: _state_specs(x, lead) if _per_device_state(x) else P(), a, is_leaf=_is_state
+  )
 
 
 def _place(x: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> Any:
@@ -274,11 +285,11 @@ def _bind_manual(
   """`fun` under `shard_map`, manual over `axes` only (sync="update")."""
   lead = _lead(axes)
   n = int(np.prod([dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[a] for a in axes]))
-  batch = {i % len(args) if -len(args) <= i < len(args) else i: ax for i, ax in batch.items()}
-  bad = [i for i in batch if not 0 <= i < len(args)]
-  if bad:
-    raise ValueError(f"{caller}: batch_argnums {bad[0]} is out of range for {len(args)} arguments.")
-  spec_tree = (_in_specs(args, batch, lead, n, caller), jax.tree.map(lambda _: P(), kwargs))
+  batch = _resolve(batch, len(args), kwargs, caller)
+  spec_tree = (
+    tuple(_arg_specs(i, a, batch, lead, n, caller) for i, a in enumerate(args)),
+    {key: _arg_specs(key, a, batch, lead, n, caller) for key, a in kwargs.items()},
+  )
   where, rebuild = _flatten_args(args, kwargs)
   leaves = jax.tree.leaves((args, kwargs))
   spec_leaves = jax.tree.leaves(spec_tree, is_leaf=lambda x: isinstance(x, P))
@@ -335,6 +346,7 @@ def data_parallel(
   axis_name: AxisName,
   *,
   batch_argnums: int | Sequence[int] = (),
+  batch_argnames: str | Sequence[str] = (),
   batch_axes: int | Sequence[int] = 0,
   mesh: Any = None,
   varying: Varying = "error",
@@ -360,7 +372,9 @@ def data_parallel(
       batch axis); all other array arguments are passed whole to every device. Arguments
       sharded over `axis_name` that are not batch arguments (FSDP parameters) are gathered
       once, on entry.
-    batch_axes: the batch axis of the batch arguments: one int for all, or one per argument.
+    batch_argnames: keyword arguments split over the devices, like `batch_argnums`.
+    batch_axes: the batch axis: one int for every batch argument, or one per argument in the
+      order ``batch_argnums + batch_argnames`` (as `microbatch` takes them).
     mesh: the mesh; default the one in effect (``jax.set_mesh``).
     varying: what to do with an output that differs per device and is not an
       `AccumulateState`'s sums: "error" (default), or "concat" to join the devices' values
@@ -399,7 +413,7 @@ def data_parallel(
     raise ValueError(f"{caller}: varying must be one of {VARYINGS}, got {varying!r}.")
   if sync not in SYNCS:
     raise ValueError(f"{caller}: sync must be one of {SYNCS}, got {sync!r}.")
-  batch = _canonical_batch(batch_argnums, batch_axes, caller)
+  batch = _canonical_batch(batch_argnums, batch_argnames, batch_axes, caller)
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):

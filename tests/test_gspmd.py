@@ -141,6 +141,33 @@ def test_microbatch_concat_outputs_come_back_in_global_order():
   )
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_keyword_batch_on_a_sequence_major_axis(axis_type):
+  """`batch_argnames` and `batch_axes` as `microbatch` takes them: ``(T, B, ...)`` data split
+  over the devices along B."""
+  lengths = np.random.default_rng(7).integers(1, 4, size=D * 4 * ROWS)  # >= 1 real token each
+  batch = jax.tree.map(lambda x: np.swapaxes(x, 0, 1), ref.token_data(7, lengths, tokens=3))
+
+  def loss(params, *, batch):
+    return ref.mlp_loss(params, batch)
+
+  step = microbatch(
+    jax.value_and_grad(loss),
+    4,
+    batch_argnames="batch",
+    batch_axes=1,
+    weight_fn=lambda params, *, batch: ref.token_count(batch),
+    axis_name=AX,
+  )
+  params = ref.mlp_params(0, (3, 8, 1))
+  with jax.set_mesh(_mesh(axis_type)):
+    f = jax.jit(data_parallel(step, AX, batch_argnames="batch", batch_axes=1))
+    text = f.lower(params, batch=batch).compile().as_text()
+    got = f(params, batch=batch)
+  chex.assert_trees_all_close(got, jax.value_and_grad(loss)(params, batch=batch), **ref.TOL)
+  assert count_collectives(text) == 1 and count_collectives(text, where="loop") == 0
+
+
 class _DenseLayerNorm(nn.Module):
   """A stock Flax Linen model, unchanged: Dense, LayerNorm, relu, Dense."""
 
@@ -597,6 +624,8 @@ def test_data_parallel_rejects_bad_input():
       data_parallel(lambda b: b, AX, batch_argnums=0)({"x": np.ones((12, 2))})
     with pytest.raises(ValueError, match="batch_argnums 3 is out of range for 1 arguments"):
       data_parallel(lambda b: b, AX, batch_argnums=3)(np.ones(8))
+    with pytest.raises(ValueError, match=r"batch argument 'b' \(batch_argnames\) was not passed"):
+      data_parallel(lambda b: b, AX, batch_argnames="b")(np.ones(8))
     with pytest.raises(ValueError, match=r"argument 0 has shape \(8,\), which has no batch axis 1"):
       data_parallel(lambda b: b, AX, batch_argnums=0, batch_axes=1)(np.ones(8))
     with pytest.raises(ValueError, match=r"output\[1\] differs per device over axis_name='data'"):
