@@ -7,10 +7,17 @@ that `TrainStep` builds its two compiled programs from the very same pieces::
 
 * `add` — the micro-batch into the window's sums (`_core`; no accumulator when every_k == 1);
 * `close_window` — the window's sums across devices (`_collectives.reduce_window`, one
-  all-reduce), then the inner update unless the window is empty, *finished* into updates (the
-  optax protocol) or into new parameters (`TrainStep`);
+  all-reduce), then the inner update unless the window is empty, *finished* (`Finish`) into
+  updates (the optax protocol) or into new parameters (`TrainStep`);
 * `keep_open` — a non-emitting step: no inner update at all;
 * `advance` — the next `AccumulateState`.
+
+What makes the default path as fast as a plain optimizer step (measured on CPU, where large
+temporaries cost page faults on every call): the finite check reads each gradient once
+(`_core.all_finite`); the mean is a multiply XLA fuses into the inner update
+(`_core.normalise`); and the protocol returns its updates through the accumulator's own
+buffer (`IN_ACCUMULATOR`), so neither zeros nor the updates are a parameter-sized temporary,
+and one conditional decides whether the inner optimizer runs (`emit_dynamic`).
 """
 
 from __future__ import annotations
@@ -35,8 +42,9 @@ class AccumulateState(NamedTuple):
 
   mini_step: jax.Array  # shape=(), dtype=jnp.int32: micro-steps taken in the open window
   gradient_step: jax.Array  # shape=(), dtype=jnp.int32: inner updates applied so far
-  # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale (the closed
-  # window's sums, ignored and overwritten by the next micro-step) when mini_step == 0.
+  # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale when
+  # mini_step == 0 (the closed window's sums or the updates it returned; the next micro-step
+  # ignores it and writes over it).
   acc_grads: Any
   acc_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ of the open window (same rule)
   num_skipped: jax.Array  # shape=(), dtype=jnp.int32: non-finite micro-batches dropped so far
@@ -211,12 +219,12 @@ def add(
   return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
 
 
-def zero_updates(
+def update_types(
   cfg: Config, grads: Any, inner_state: Any, params: Any, extra_args: dict, emit: bool | None
 ) -> Any:
-  """The updates of a step that applies nothing: zeros typed exactly like the inner updates."""
+  """The inner optimizer's updates as `jax.ShapeDtypeStruct` leaves (traced abstractly, not run)."""
   try:
-    types = jax.eval_shape(
+    return jax.eval_shape(
       lambda g, s, p: cfg.inner.update(g, s, p, **extra_args)[0], grads, inner_state, params
     )
   except TypeError:
@@ -225,8 +233,7 @@ def zero_updates(
     # emit=False never runs the inner optimizer, so a caller may leave out arguments only the
     # emitting step needs (e.g. `value=` for reduce_on_plateau); updates then take the
     # gradients' structure and dtypes.
-    types = jax.eval_shape(lambda g: g, grads)
-  return jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+    return jax.eval_shape(lambda g: g, grads)
 
 
 def can_be_empty(cfg: Config, weight: jax.Array | None) -> bool:
@@ -245,64 +252,109 @@ class Window(NamedTuple):
 
 
 class Finish(NamedTuple):
-  """What the emitting step returns: from the inner updates, and when the window is empty.
+  """What the emitting step outputs: from the inner updates, or when nothing is applied.
 
-  The optax protocol returns the updates (`updates_finish`); `TrainStep` applies them inside the
-  emitting branch (`APPLY`), so XLA fuses the inner update into the parameter update instead of
-  materialising the updates as the branch's output.
+  Both take the window's sums too, so that an output may reuse the accumulator's buffer.
   """
 
-  applied: Callable[[Any, Any], Any]  # (updates, params) -> output
-  empty: Callable[[Any], Any]  # params -> output, when nothing is applied
+  applied: Callable[[Any, Any, Any], Any]  # (updates, params, sums) -> output
+  empty: Callable[[Any, Any], Any]  # (params, sums) -> output
 
 
-APPLY = Finish(applied=lambda updates, params: optax.apply_updates(params, updates),
-               empty=lambda params: params)  # fmt: skip
+# `TrainStep`'s emitting program applies the updates where they are made: XLA fuses the inner
+# update into the parameter update instead of materialising the updates. The sums ride
+# through the conditional too: as an output of it, they need no buffer besides the
+# accumulator's (as an operand only, XLA keeps a parameter-sized temporary for them).
+APPLY = Finish(applied=lambda updates, params, sums: (optax.apply_updates(params, updates), sums),
+               empty=lambda params, sums: (params, sums))  # fmt: skip
+
+# The optax protocol, where the updates fit the accumulator (same tree and shapes, a dtype it
+# holds exactly): the emitting step writes them over the window's sums, which are spent, so
+# they need no buffer of their own; on other steps the output *is* the new sums, and the
+# caller reads the updates through `where(applied, output, 0)` (see `protocol_updates`). This
+# is what keeps a conditional's parameter-sized output out of the caller's temporary memory.
+IN_ACCUMULATOR = Finish(
+  applied=lambda updates, params, sums: optax.tree.cast_like(updates, sums),
+  empty=lambda params, sums: sums,
+)
 
 
-def updates_finish(zeros: Any) -> Finish:
-  """The optax protocol's finish: the updates, or `zeros` when nothing is applied."""
-  return Finish(applied=lambda updates, params: updates, empty=lambda params: zeros)
+def zeros_finish(types: Any) -> Finish:
+  """The optax protocol otherwise: the updates, or zeros typed like them."""
+  zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+  return Finish(applied=lambda updates, params, sums: updates, empty=lambda params, sums: zeros)
 
 
-def _inner_update(cfg: Config, like: Any, finish: Finish, sums, total, inner_state, params, extra):
+def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
+  """Whether the inner updates can be returned through the window's sums (`IN_ACCUMULATOR`):
+  same tree and shapes, dtypes the sums hold exactly, and no axis name (per-device sums,
+  while the updates are the same on every device)."""
+  if cfg.axis_name is not None or jax.tree.structure(types) != jax.tree.structure(sums):
+    return False
+  return all(
+    t.shape == jnp.shape(s) and jnp.promote_types(t.dtype, jnp.result_type(s)) == jnp.result_type(s)
+    for t, s in zip(jax.tree.leaves(types), jax.tree.leaves(sums), strict=True)
+  )
+
+
+def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, Any]:
+  """The inner update on the window's mean, finished (see `Finish`)."""
+  sums, total, inner_state, params, extra = window
   g = _core.normalise(sums, total, like, cfg.window_reduction)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  return finish.applied(updates, params), optax.tree.cast_like(new_inner, inner_state)
+  return finish.applied(updates, params, sums), optax.tree.cast_like(new_inner, inner_state)
 
 
-def _no_update(finish: Finish, sums, total, inner_state, params, extra):
-  del sums, total, extra
-  return finish.empty(params), inner_state
+def _no_update(finish: Finish, window: Window) -> tuple[Any, Any]:
+  return finish.empty(window.params, window.sums), window.inner_state
 
 
 def close_window(
-  cfg: Config, like: Any, finish: Finish, can_be_empty: bool, window: Window
+  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window
 ) -> tuple[Any, Any, jax.Array]:
   """The emitting step: one all-reduce across devices, then the inner update unless the window
   holds no weight. Returns ``(finished output, inner state, applied)``.
 
   `like` (the micro-batch gradients) is read only for its dtypes and device variance.
-  `can_be_empty=False` (every_k == 1, no weight, no skipping) needs no guard: the inner
-  optimizer itself, with no conditional.
+  `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
+  inner optimizer with no conditional. The guard is a `lax.cond`, not a select: a select keeps
+  the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
   sums, total = _collectives.reduce_window(
     window.sums, window.total, like, cfg.axis_name, cfg.window_reduction
   )
-  operands = (sums, total, window.inner_state, window.params, window.extra_args)
-  applied = total > 0
+  window = window._replace(sums=sums, total=total)
   apply = functools.partial(_inner_update, cfg, like, finish)
-  if not can_be_empty:
-    return *apply(*operands), applied
-  return *lax.cond(applied, apply, functools.partial(_no_update, finish), *operands), applied
+  if not guard:
+    return *apply(window), jnp.asarray(True)
+  applied = total > 0
+  return *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
 
 
 def keep_open(finish: Finish, window: Window) -> tuple[Any, Any, jax.Array]:
-  """A non-emitting step: nothing applied, the inner optimizer untouched."""
-  out, inner_state = _no_update(finish, *window)
-  return out, inner_state, jnp.asarray(False)
+  """A step that applies nothing: the inner optimizer untouched."""
+  return *_no_update(finish, window), jnp.asarray(False)
+
+
+def emit_dynamic(
+  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window, emitting: Any
+) -> tuple[Any, Any, jax.Array]:
+  """Emission decided on the device: the inner update runs (`lax.cond`) only when it applies.
+
+  Without an axis name the window's total is known here, so one conditional on ``emitting and
+  total > 0`` decides everything; with one, the total is global only after the emitting
+  step's all-reduce, so `close_window` guards the empty window inside the emitting branch.
+  """
+  if cfg.axis_name is not None:
+    close = functools.partial(close_window, cfg, like, finish, guard)
+    return lax.cond(emitting, close, functools.partial(keep_open, finish), window)
+  applies = emitting & (window.total > 0) if guard else emitting
+  apply = functools.partial(_inner_update, cfg, like, finish)
+  if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
+    return *apply(window), jnp.asarray(True)
+  return *lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies
 
 
 def advance(
@@ -362,20 +414,39 @@ def update(
   grads = updates
   weight = check_update(cfg, grads, state, weight, force_emit, emit)
   sums, total, dropped = add(cfg, grads, state, weight)
-  emit = True if cfg.unaccumulated else emit
-  finish = updates_finish(zero_updates(cfg, grads, state.inner_state, params, extra_args, emit))
+  if cfg.unaccumulated:
+    emit = True if cfg.axis_name is not None else None  # every step closes its window
+  types = update_types(cfg, grads, state.inner_state, params, extra_args, emit)
+  in_acc = fits_accumulator(cfg, types, sums)
+  finish = IN_ACCUMULATOR if in_acc else zeros_finish(types)
   window = Window(sums, total, state.inner_state, params, extra_args)
-  close = functools.partial(close_window, cfg, grads, finish, can_be_empty(cfg, weight))
+  guard = can_be_empty(cfg, weight)
   if emit is None:
-    k = window_length(cfg.every_k, state.gradient_step)
-    emitting = (state.mini_step + 1 >= k) | jnp.asarray(force_emit, jnp.bool_)
-    updates, inner_state, applied = lax.cond(
-      emitting, close, functools.partial(keep_open, finish), window
-    )
+    emitting = True if cfg.unaccumulated else closes_window(cfg, state, force_emit)
+    out, inner_state, applied = emit_dynamic(cfg, grads, finish, guard, window, emitting)
   else:
     emitting = emit
-    updates, inner_state, applied = close(window) if emit else keep_open(finish, window)
+    out, inner_state, applied = (
+      close_window(cfg, grads, finish, guard, window) if emit else keep_open(finish, window)
+    )
+  if in_acc:
+    sums, updates = out, protocol_updates(applied, out, types)
+  else:
+    updates = out
   return updates, advance(cfg, state, sums, total, dropped, inner_state, emitting, applied)
+
+
+def closes_window(cfg: Config, state: AccumulateState, force_emit: Any) -> jax.Array:
+  """Whether this micro-step is the last of its window (or `force_emit` closes it early)."""
+  k = window_length(cfg.every_k, state.gradient_step)
+  return (state.mini_step + 1 >= k) | jnp.asarray(force_emit, jnp.bool_)
+
+
+def protocol_updates(applied: jax.Array, out: Any, types: Any) -> Any:
+  """The updates returned through the accumulator: the inner updates, or exact zeros."""
+  return jax.tree.map(
+    lambda o, t: jnp.where(applied, o, jnp.zeros_like(o)).astype(t.dtype), out, types
+  )
 
 
 # ----------------------------------------------------------------------------------------------
