@@ -463,7 +463,7 @@ def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
 
 def _plan(opts: _Options, pos, operands, state0: tuple, b: int) -> _Outputs:
   """Traces `fun` once, abstractly, on micro-batch 0 and decides what becomes of each leaf."""
-  out_t, w_t = jax.eval_shape(functools.partial(_call, opts, pos), operands, state0, 0)
+  out_t, total = jax.eval_shape(functools.partial(_probe, opts, pos), operands, state0)
   like, tree = jax.tree.flatten(out_t)
   kinds = _leaf_reductions(opts.reduction, out_t)
   state = _state_leaves(opts.state_out, pos, tree, like, state0)
@@ -475,10 +475,19 @@ def _plan(opts: _Options, pos, operands, state0: tuple, b: int) -> _Outputs:
     for x, r in zip(like, kinds, strict=True)
     if r == "concat"
   )
-  total = jax.ShapeDtypeStruct((), jnp.float32)
-  if w_t is not None:  # the total weight varies across devices wherever the weights do
-    total = jax.eval_shape(lambda w: jnp.zeros((), jnp.float32) + w.astype(jnp.float32), w_t)
   return _Outputs(tree, tuple(like), tuple(kinds), layouts, state, total)
+
+
+def _probe(opts: _Options, pos, operands, state0: tuple) -> tuple[Any, jax.Array]:
+  """Micro-batch 0's output, and the accumulated weight's type (its device variance).
+
+  One trace for both: the weight's type is found from the weight itself, never by feeding an
+  `eval_shape` result back into another trace (inside a partly manual `shard_map`, such a
+  round trip can lose the type's varying axes).
+  """
+  out, w = _call(opts, pos, operands, state0, 0)
+  total = jnp.zeros((), jnp.float32)
+  return out, total if w is None else total + w.astype(jnp.float32)
 
 
 # `state_out` is applied to integer markers ``n * _STRIDE + _OFFSET`` in place of output leaf
