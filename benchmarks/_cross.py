@@ -9,6 +9,7 @@ references only.
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,8 @@ class Contender:
   def state_bytes(self) -> int:
     return H.tree_bytes(self.state)
 
+  extra_bytes = 0  # persistent device memory besides params and optimizer state
+
 
 class Protocol(Contender):
   """grad -> tx.update -> apply, one compiled program (or two with static `emit`)."""
@@ -102,67 +105,19 @@ class Protocol(Contender):
   def step(self):
     b = self.micro[self.i % self.k]
     if self.static:
-      prog = self.programs["emit" if (self.i + 1) % self.k == 0 else "accumulate"]
+      self.last = "emit" if (self.i + 1) % self.k == 0 else "accumulate"
     else:
-      prog = self.programs["step"]
-    self.params, self.state, _ = prog(self.params, self.state, b)
+      self.last = "step"
+    self.params, self.state, _ = self.programs[self.last](self.params, self.state, b)
     self.i += 1
     return self.params, self.state
 
 
-class StaticLean(Contender):
-  """Static emission, built so that nothing passes through the non-emitting program.
-
-  Non-emitting program: (params, acc fields [donated], batch) -> new acc fields; the inner
-  (Adam) state is not an argument and params are not an output (an output equal to a
-  non-donated input is a full copy). Emitting program: the optax step with `emit=True`,
-  params and the whole state donated.
-  """
-
-  def __init__(self, name, tx, loss, params, k, micro):
-    super().__init__(k, micro)
-    self.name, self.tx = name, tx
-    state = tx.init(params)
-    inner_shapes = jax.eval_shape(lambda s: s.inner_state, state)
-
-    def accumulate_step(params, acc, batch):
-      value, grads = jax.value_and_grad(loss)(params, batch)
-      # A stand-in inner state: emit=False never reads it, so XLA drops it.
-      placeholder = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), inner_shapes)
-      _, new = tx.update(grads, acc._replace(inner_state=placeholder), params, emit=False)
-      return new._replace(inner_state=None), value
-
-    acc = state._replace(inner_state=None)
-    self.programs = {
-      "accumulate": H.compile_fn(accumulate_step, params, acc, micro[0], donate_argnums=(1,)),
-      "emit": H.compile_fn(
-        protocol_step(loss, tx, emit=True), params, state, micro[0], donate_argnums=(0, 1)
-      ),
-    }
-
-  def reset(self, params):
-    self.params = _copy(params)
-    state = self.tx.init(self.params)
-    self.acc, self.inner = state._replace(inner_state=None), state.inner_state
-    self.i = 0
-
-  @property
-  def state(self):
-    return self.acc._replace(inner_state=self.inner)
-
-  def step(self):
-    b = self.micro[self.i % self.k]
-    if (self.i + 1) % self.k == 0:
-      self.params, state, _ = self.programs["emit"](self.params, self.state, b)
-      self.acc, self.inner = state._replace(inner_state=None), state.inner_state
-    else:
-      self.acc, _ = self.programs["accumulate"](self.params, self.acc, b)
-    self.i += 1
-    return self.params, self.acc
-
-
 class Fused(Contender):
-  """`optax_accum.TrainStep`: the library's static two-program train step (host counter)."""
+  """`optax_accum.TrainStep`: the library's static two-program train step (host counter).
+
+  Its gradient buffer (on by default on CPU) lives in the helper, not in the optimizer state:
+  `extra_bytes` reports it, and the programs' argument bytes include it."""
 
   def __init__(self, name, loss, params, k, micro, **kwargs):
     super().__init__(k, micro)
@@ -184,8 +139,13 @@ class Fused(Contender):
     self.state = self.helper.init(self.params)
     self.i = 0
 
+  @property
+  def extra_bytes(self) -> int:
+    return H.tree_bytes(self.helper._grad_buffer or ())
+
   def step(self):
     b = self.micro[self.i % self.k]
+    self.last = "emit" if self.k == 1 or (self.i + 1) % self.k == 0 else "accumulate"
     self.params, self.state, _ = self.helper(self.params, self.state, b)
     self.i += 1
     return self.params, self.state
@@ -197,6 +157,14 @@ def make_contenders(model, params, k: int, micro: list, *, fused: bool = True) -
   cs: list[Contender] = [
     Protocol("adam (floor)", adam, loss, params, k, micro, equivalent=False),
     Protocol("accumulate", optax_accum.accumulate(adam, k), loss, params, k, micro),
+    Protocol(
+      "accumulate (skip_nonfinite=False)",
+      optax_accum.accumulate(adam, k, skip_nonfinite=False),
+      loss,
+      params,
+      k,
+      micro,
+    ),
     Protocol(
       "optax.MultiSteps",
       optax.MultiSteps(adam, k).gradient_transformation(),
@@ -223,11 +191,10 @@ def make_contenders(model, params, k: int, micro: list, *, fused: bool = True) -
       micro,
       static=True,
     ),
-    StaticLean("accumulate static (lean)", optax_accum.accumulate(adam, k), loss, params, k, micro),
   ]
-  if fused and hasattr(optax_accum, "TrainStep"):
-    cs.append(Fused("TrainStep (fused)", loss, params, k, micro))
-    # What the default NaN/Inf guard costs (an extra pass over the gradient every micro-step).
+  if fused:
+    cs.append(Fused("TrainStep", loss, params, k, micro))
+    # What the default NaN/Inf guard costs (one read of the gradients every micro-step).
     cs.append(
       Fused("TrainStep (skip_nonfinite=False)", loss, params, k, micro, skip_nonfinite=False)
     )
@@ -296,6 +263,24 @@ def dispatch_profile(c: Contender, windows: int) -> dict[str, float]:
   return {"dispatch_s": t1 - t0, "total_s": t2 - t0, "dispatch_frac": (t1 - t0) / (t2 - t0)}
 
 
+def faults_per_program(c: Contender, windows: int = 2) -> dict[str, float]:
+  """Minor page faults per call of each of the contender's programs (median over calls).
+
+  `cost_analysis()` does not see this cost: on CPU, glibc serves an allocation above its mmap
+  threshold (32 MiB) with fresh pages on every call, and the kernel faults each page in (about
+  2 µs per 4 KiB page). A program whose temporaries stay below the threshold reuses its memory
+  and faults about zero times per call."""
+  H.block(c.step())
+  faults: dict[str, list[int]] = {}
+  for _ in range(windows * c.k):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    H.block(c.step())
+    faults.setdefault(c.last, []).append(
+      resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    )
+  return {name: float(np.median(f)) for name, f in faults.items()}
+
+
 def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list[dict[str, Any]]:
   """All cross-step figures for one model: rows of the results table."""
   params = model.init(jax.random.key(0))
@@ -326,14 +311,20 @@ def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list
         dispatch[c.name] = dispatch_profile(c, cfg["dispatch_windows"])
     for c in cs:
       t = timings[c.name]
+      faults = faults_per_program(c)
       progs = {
         name: {
           "compile_s": p.compile_s,
           "memory": p.memory,
           "hlo": p.hlo.as_dict(),
+          "faults_per_call": faults.get(name),
+          "temp_over_mmap_threshold": p.memory.get("temp", 0) > H.MMAP_THRESHOLD,
         }
         for name, p in c.programs.items()
       }
+      # Faults per micro-step: the accumulating program k-1 times, the emitting one once.
+      calls = {"accumulate": c.k - 1, "emit": 1, "step": c.k}
+      per_step = sum(calls.get(n, 0) * f for n, f in faults.items()) / c.k
       temp = max((p.memory.get("temp", 0) for p in c.programs.values()), default=None)
       rows.append(
         {
@@ -347,6 +338,8 @@ def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list
           "temp_minus_adam": None if temp is None else temp - adam_mem.get("temp", 0),
           "state_bytes": c.state_bytes,
           "state_minus_adam": c.state_bytes - adam_state,
+          "extra_bytes": c.extra_bytes,
+          "faults_per_step": per_step,
           "param_bytes": H.tree_bytes(params),
           "copy_bytes": sum(p.hlo.copy_bytes for p in c.programs.values()),
           "conditionals": sum(p.hlo.conditionals for p in c.programs.values()),

@@ -33,6 +33,11 @@ memory = _hlo.memory
 shape_bytes = _hlo.shape_bytes
 
 
+# glibc's largest dynamic mmap threshold on 64-bit Linux: allocations above it are fresh pages,
+# faulted in on every call (see `_cross.faults_per_program`).
+MMAP_THRESHOLD = 32 * 2**20
+
+
 def tree_bytes(tree: Any) -> int:
   """Bytes held by the array leaves of `tree` (shapes and dtypes only; no transfer)."""
   return int(

@@ -7,13 +7,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import fmt_bytes
+from benchmarks._harness import MMAP_THRESHOLD, fmt_bytes
 
 # Names the targets refer to.
 ADAM = "adam (floor)"
 ACC = "accumulate"
 MULTI = "optax.MultiSteps"
-FAST = ("TrainStep (fused)", "accumulate static (lean)", "accumulate static (emit=, protocol)")
+ACC_NO_GUARD = "accumulate (skip_nonfinite=False)"
+FAST = ("TrainStep", "accumulate static (emit=, protocol)")
 FAST_NO_GUARD = "TrainStep (skip_nonfinite=False)"
 OURS_WITHIN = "optax_accum.microbatch"
 OPTAX_WITHIN = "optax.microbatching.microbatch"
@@ -58,10 +59,12 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         }
       )
 
-    ratio_target(ACC, "ratio_vs_adam", 1.10, "accumulate(adam,k) / plain adam, optax protocol")
-    for name in (FAST[0], FAST_NO_GUARD):
-      ratio_target(name, "ratio_vs_adam", 0.95, f"fastest documented path, {name} / plain adam")
-      ratio_target(name, "ratio_vs_multisteps", 0.65, f"{name} / optax.MultiSteps")
+    ratio_target(
+      ACC, "ratio_vs_adam", 1.10, "accumulate(adam,k) defaults / plain adam, optax protocol"
+    )
+    ratio_target(ACC, "ratio_vs_multisteps", 0.65, "accumulate(adam,k) defaults / MultiSteps")
+    ratio_target(FAST[0], "ratio_vs_adam", 0.95, "fastest path, TrainStep defaults / plain adam")
+    ratio_target(FAST[0], "ratio_vs_multisteps", 0.65, "TrainStep defaults / optax.MultiSteps")
   ones = [r for r in res.get("cross", []) if r["contender"] == ACC and r["k"] == 1]
   if ones:
     worst = max(ones, key=lambda r: r["ratio_vs_adam"])
@@ -219,6 +222,7 @@ def markdown(res: dict[str, Any]) -> str:
           "× MultiSteps",
           "temp",
           "temp − adam (param bufs)",
+          "faults / step",
           "opt state",
           "state − adam",
           "copy bytes",
@@ -233,9 +237,11 @@ def markdown(res: dict[str, Any]) -> str:
             f"±{r['time']['iqr_rel'] * 50:.0f}%",
             f"{r['ratio_vs_adam']:.2f}",
             f"{r['ratio_vs_multisteps']:.2f}",
-            fmt_bytes(r["temp_bytes"]),
+            fmt_bytes(r["temp_bytes"]) + (" ⚠" if r["temp_bytes"] > MMAP_THRESHOLD else ""),
             f"{r['temp_minus_adam'] / r['param_bytes']:+.2f}",
-            fmt_bytes(r["state_bytes"]),
+            f"{r['faults_per_step']:.0f}",
+            fmt_bytes(r["state_bytes"])
+            + (f" (+{fmt_bytes(r['extra_bytes'])} buffer)" if r.get("extra_bytes") else ""),
             fmt_bytes(r["state_minus_adam"]),
             fmt_bytes(r["copy_bytes"]),
             r["conditionals"],
@@ -246,7 +252,12 @@ def markdown(res: dict[str, Any]) -> str:
       ),
       "",
       "Two-program contenders: temp is the larger of the two programs; copies and conditionals "
-      "are summed over both (see `results.json` for each program).",
+      "are summed over both (see `results.json` for each program, with its own page faults). "
+      "⚠: temp above glibc's mmap threshold (32 MiB): on CPU such a program gets fresh pages "
+      "on every call and faults each one in — *faults / step* (minor page faults per "
+      "micro-step, `getrusage`) is that cost, which `cost_analysis()` does not see. TrainStep's "
+      "opt state shows its gradient buffer separately: it lives in the helper (on CPU), not in "
+      "the optimizer state.",
       "",
     ]
   disp = [r for r in cross if r.get("dispatch")]
