@@ -45,7 +45,9 @@ from optax_accum import state_partition_specs
 TOL = dict(rtol=1e-6, atol=1e-6)
 
 # One object per optimizer: compiled programs are cached per transformation object, so tests
-# that share these compile each reference once per process.
+# that share these compile each reference once per process. Adam's update is nearly blind to
+# the gradient's scale: a test that must catch a wrong normalisation (a mean off by a factor)
+# needs SGD or momentum among its optimizers.
 SGD = optax.sgd(0.1)
 MOMENTUM = optax.sgd(0.1, momentum=0.9)
 ADAM = optax.adam(1e-2)

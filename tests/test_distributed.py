@@ -29,9 +29,6 @@ D = 8  # devices
 B = 3  # rows per micro-batch per device
 F = 5  # features
 P0 = ref.mlp_params(0, (F, 2))  # a linear model
-# Sums over the devices' rows in another order than the large batch's sum; Adam's first steps
-# are ~lr * sign(g), so its parameters show that rounding at ~1e-6 relative.
-TOL = dict(rtol=2e-5, atol=2e-6)
 
 
 def micro_batches(n, mask="ones", seed=1):
@@ -66,11 +63,13 @@ def token_sum(params, batch):
   return ref.mlp_loss(params, batch) * ref.token_count(batch)
 
 
+# Momentum elsewhere in this file: Adam's update is nearly blind to a gradient's scale, so a
+# wrong normalisation across devices (a window mean off by a factor) would pass unseen with it.
+# Adam here for its two moments' partition specs.
 @pytest.mark.parametrize(
   ("k", "weighted", "name"), [(1, True, "adam"), (3, False, "adam"), (3, True, "momentum")]
 )
 def test_accumulate_data_parallel_matches_large_batch(k, weighted, name):
-  # Momentum for the weighted windows: Adam is blind to a gradient's scale, SGD is not.
   inner = ref.OPTIMIZERS[name]
   mbs = micro_batches(2 * k, "random" if weighted else "ones")
   tx = optax_accum.accumulate(inner, k, axis_name=AX)
@@ -78,7 +77,7 @@ def test_accumulate_data_parallel_matches_large_batch(k, weighted, name):
   got, state = ref.train_data_parallel(tx, P0, mbs, ref.mesh(), weight_fn=weight_fn)
   want, _ = ref.run_steps(inner, P0, ref.mlp_loss, ref.windows(mbs, k))
   assert ref.max_abs_diff(want, P0) > 1e-2  # it trained
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
   assert int(state.gradient_step) == 2
   assert int(state.mini_step) == 0
   if k > 1:  # per-device partial sums, stacked over the data axis
@@ -93,7 +92,7 @@ def test_accumulate_uneven_tokens_is_global_token_mean():
   tx = optax_accum.accumulate(ref.SGD, k, axis_name=AX)
   got, _ = ref.train_data_parallel(tx, P0, mbs, ref.mesh(), weight_fn=ref.token_count)
   want, _ = ref.run_steps(ref.SGD, P0, ref.mlp_loss, ref.windows(mbs, k))
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
   # The mean of per-device means (Levanter's choice) is a different, wrong answer here. SGD: the
   # update is -lr * g, so the two means are directly comparable.
   grads = [jax.grad(ref.mlp_loss)(P0, b) for b in device_batches(mbs)]
@@ -108,14 +107,14 @@ def test_accumulate_nonfinite_on_one_device_drops_only_its_micro_batch(k):
   poisoned = [dict(mb) for mb in mbs]
   poisoned[0]["x"] = mbs[0]["x"].copy()
   poisoned[0]["x"][bad_device * B, 0] = math.nan
-  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=AX)
+  tx = optax_accum.accumulate(ref.MOMENTUM, k, axis_name=AX)
   got, state = ref.train_data_parallel(tx, P0, poisoned, ref.mesh(), weight_fn=ref.token_count)
   # The large batch without that device's first micro-batch (its rows get no weight).
   dropped = [dict(mb) for mb in mbs]
   dropped[0]["mask"] = mbs[0]["mask"].copy()
   dropped[0]["mask"][bad_device * B : (bad_device + 1) * B] = 0.0
-  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(dropped, k))
-  chex.assert_trees_all_close(got, want, **TOL)
+  want, _ = ref.run_steps(ref.MOMENTUM, P0, ref.mlp_loss, ref.windows(dropped, k))
+  chex.assert_trees_all_close(got, want, **ref.TOL)
   np.testing.assert_array_equal(state.num_skipped, np.eye(D, dtype=np.int32)[bad_device])
 
 
@@ -123,14 +122,14 @@ def test_accumulate_over_two_mesh_axes():
   """axis_name=("x", "y"): data parallel over every device of a 2x4 mesh, sums stacked over both."""
   axes = ("x", "y")
   k = 2
-  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=axes)
+  tx = optax_accum.accumulate(ref.MOMENTUM, k, axis_name=axes)
   sspecs = state_partition_specs(tx, jax.tree.map(lambda _: P(), P0), axes)
   assert sspecs.acc_grads["w0"] == P(axes)
   mbs = micro_batches(k, "random")
   mesh = ref.mesh((2, 4), axes)
   got, _ = ref.train_data_parallel(tx, P0, mbs, mesh, axes, weight_fn=ref.token_count)
-  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, k))
-  chex.assert_trees_all_close(got, want, **TOL)
+  want, _ = ref.run_steps(ref.MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  chex.assert_trees_all_close(got, want, **ref.TOL)
 
 
 def _replicated_steps(reduction, loss_of_device, mbs):
@@ -163,18 +162,18 @@ def test_accumulate_already_reduced_gradients_are_not_reduced_twice():
   # A global (pmean) loss: its gradient is the large-batch one; "mean" is not reduced again.
   got = _replicated_steps("mean", lambda p, b: lax.pmean(ref.mlp_loss(p, b), AX), mbs)
   want, _ = ref.run_steps(ref.SGD, P0, ref.mlp_loss, ref.windows(mbs, 2))
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
 
   # "sum" of a psum loss: the large batch's sum over micro-batches, not D times it.
   got = _replicated_steps("sum", lambda p, b: lax.psum(token_sum(p, b), AX), mbs)
   want, _ = ref.run_steps(ref.SGD, P0, token_sum, ref.windows(mbs, 2))
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
 
   # A device-local mean loss: autodiff returns the SUM over devices of the local gradients
   # (the transpose of the implicit broadcast is a psum), and accumulate keeps it as it is.
   got = _replicated_steps("mean", ref.mlp_loss, mbs)
   want, _ = ref.run_steps(ref.SGD, P0, sum_of_device_means, [device_batches(mbs)])
-  chex.assert_trees_all_close(got, want, **TOL)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
 
 
 def test_accumulate_already_reduced_gradients_with_device_weights_raise():
@@ -188,7 +187,7 @@ def test_accumulate_already_reduced_gradients_with_device_weights_raise():
 def test_accumulate_pmap_matches_large_batch():
   k = 2
   mbs = micro_batches(2 * k, "random")
-  tx = optax_accum.accumulate(ref.ADAM, k, axis_name=AX)
+  tx = optax_accum.accumulate(ref.MOMENTUM, k, axis_name=AX)
   # pmap maps every input and output: the state is stacked over the devices, inner state too.
   state = jax.pmap(lambda _: tx.init(P0), axis_name=AX)(jnp.arange(D))
   # pmap's gradients are local already (no pcast); every device returns the same parameters.
@@ -199,8 +198,8 @@ def test_accumulate_pmap_matches_large_batch():
     per_device = jax.tree.map(lambda a: a.reshape(D, B, *a.shape[1:]), mb)
     params_all, state = step(params, state, per_device)
     params = jax.tree.map(lambda a: a[0], params_all)
-  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, k))
-  chex.assert_trees_all_close(params, want, **TOL)
+  want, _ = ref.run_steps(ref.MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,7 +232,7 @@ def test_microbatch_data_parallel_matches_large_batch(k, weighted):
   for batch in big:
     params, opt_state = step(params, opt_state, ref.shard(batch, mesh, P(AX)))
   want, _ = ref.run_steps(inner, P0, ref.mlp_loss, big)
-  chex.assert_trees_all_close(params, want, **TOL)
+  chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,7 +308,7 @@ def device_2_decides(decision):
 
 def test_accumulate_force_emit_agreed_across_devices_closes_a_short_window():
   mbs = micro_batches(2, "random")
-  tx = optax_accum.accumulate(ref.ADAM, 5, axis_name=AX)
+  tx = optax_accum.accumulate(ref.MOMENTUM, 5, axis_name=AX)
   mesh = ref.mesh()
   dp = {
     decision: ref.data_parallel(
@@ -322,8 +321,8 @@ def test_accumulate_force_emit_agreed_across_devices_closes_a_short_window():
   assert int(state.gradient_step) == 0
   params, state = dp[True].step(params, state, ref.shard(mbs[1], mesh, P(AX)))
   assert int(state.gradient_step) == 1 and int(state.mini_step) == 0  # a window of 2, not 5
-  want, _ = ref.run_steps(ref.ADAM, P0, ref.mlp_loss, ref.windows(mbs, 2))
-  chex.assert_trees_all_close(params, want, **TOL)
+  want, _ = ref.run_steps(ref.MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, 2))
+  chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
 def test_accumulate_per_device_force_emit_raises():
