@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec
 
 from optax_accum._typing import ArgNums, Split
 
@@ -255,7 +256,13 @@ def split_batch(x: jax.Array, k: int, split: Split, axis: int = 0) -> jax.Array:
   axis %= x.ndim
   b = x.shape[axis] // k
   inner = (b, k) if split == "strided" else (k, b)
-  return x.reshape(*x.shape[:axis], *inner, *x.shape[axis + 1 :])
+  shape = (*x.shape[:axis], *inner, *x.shape[axis + 1 :])
+  spec = explicit_spec(x)
+  if spec is None or split == "strided":
+    return x.reshape(shape)
+  # Contiguous blocks of a batch sharded over an Explicit axis: the sharding moves to the
+  # block's rows (a reshard; the strided split is the one that keeps it for free).
+  return jnp.reshape(x, shape, out_sharding=PartitionSpec(*spec[:axis], None, *spec[axis:]))
 
 
 def take(x: jax.Array, i: jax.Array, split: Split, axis: int = 0) -> jax.Array:
@@ -282,8 +289,35 @@ def put(buffer: jax.Array, y: jax.Array, i: jax.Array, split: Split) -> jax.Arra
 def unsplit(y: jax.Array) -> jax.Array:
   """The inverse of `split_batch` on axis 0: ``(b, k, ...)`` or ``(k, b, ...)`` -> ``(k·b, ...)``.
 
-  Free (a reshape). A stack of scalars, ``(k,)``, stays as it is.
+  Free (a reshape). A stack of scalars, ``(k,)``, stays as it is. Under Explicit sharding the
+  joined axis keeps the first axis's sharding when the second is unsharded (the strided
+  per-example case: the batch's sharding), and is replicated otherwise.
   """
   if y.ndim < 2:
     return y
-  return y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
+  shape = (y.shape[0] * y.shape[1], *y.shape[2:])
+  spec = explicit_spec(y)
+  if spec is None:
+    return y.reshape(shape)
+  joined = spec[0] if spec[1] is None else None
+  return jnp.reshape(y, shape, out_sharding=PartitionSpec(joined, *spec[2:]))
+
+
+def explicit_spec(x: Any) -> PartitionSpec | None:
+  """`x`'s partition spec (one entry per axis) when it shards over an Explicit mesh axis.
+
+  `x` is an array (its type's sharding) or a `jax.ShapeDtypeStruct` (its `sharding`); None when
+  no Explicit axis shards it, e.g. on a mesh of Auto axes or no mesh at all.
+  """
+  sharding = getattr(x, "sharding", None) if isinstance(x, jax.ShapeDtypeStruct) else None
+  if not isinstance(x, jax.ShapeDtypeStruct):
+    sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None:
+    return None
+  explicit = {
+    n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Explicit
+  }
+  if not {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))} & explicit:
+    return None
+  return PartitionSpec(*spec, *[None] * (len(x.shape) - len(spec)))

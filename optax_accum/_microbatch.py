@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from optax_accum import _batch, _checks, _collectives, _core
 from optax_accum._typing import OUT_REDUCTIONS, SPLITS, ArgNums, AxisName, DType, Split
@@ -581,7 +582,10 @@ def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Ca
   """
   like = plan.like
   means_t, sums_t, last_t = (plan.pick(like, r) for r in ("mean", "sum", "last"))
-  vary = _collectives.match_variance
+
+  def vary(x, t, k_axis=None):
+    return _match_sharding(_collectives.match_variance(x, t), t, k_axis)
+
   return _Carry(
     # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
     means=vary(vary(_core.zeros(means_t, opts.accum_dtype), means_t), [plan.total] * len(means_t)),
@@ -589,12 +593,33 @@ def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Ca
     total=vary(jnp.zeros((), jnp.float32), plan.total),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
     rows=[
-      vary(_batch.zeros_split(t, opts.k, layout), t)
+      vary(_batch.zeros_split(t, opts.k, layout), t, int(layout == "strided"))
       for t, layout in zip(plan.pick(like, "concat"), plan.layouts, strict=True)
     ],
     state=vary(state0, _state_like(plan, state0)),
     operands=operands,
   )
+
+
+def _match_sharding(tree: Any, like: Any, k_axis: int | None = None) -> Any:
+  """Gives each leaf of `tree` the Explicit sharding of its leaf in `like`, where it has one.
+
+  Under a mesh with Explicit axes a loop carry's type includes its sharding: zeros built from
+  constants are unsharded, while what the body writes is sharded like the micro-batch values.
+  `k_axis`: the leaves of `tree` have one more axis than `like`'s, there (a rows buffer).
+  """
+
+  def one(x, t):
+    spec = _batch.explicit_spec(t)
+    if spec is None:
+      return x
+    if k_axis is not None:
+      spec = PartitionSpec(*spec[:k_axis], None, *spec[k_axis:])
+    if jnp.ndim(x) != len(spec) or jax.typeof(x).sharding.spec == spec:
+      return x
+    return jax.sharding.reshard(x, spec)
+
+  return jax.tree.map(one, tree, like)
 
 
 def _state_like(plan: _Outputs, state: tuple) -> tuple:

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -452,6 +452,41 @@ def test_microbatch_axis_name_matches_single_device_large_batch():
   jaxpr = jax.make_jaxpr(sharded)(w, *data).jaxpr
   (scan,) = _find(jaxpr, "scan")
   assert not _find(scan.params["jaxpr"].jaxpr, "psum") and _find(jaxpr, "psum")
+
+
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_microbatch_explicit_sharding_matches_large_batch_and_keeps_shardings(split):
+  # A mesh of Explicit axes: the loop carry's types include shardings (the weights sharded over
+  # "m", the batch over "data"), and every reduction must keep them consistent.
+  mesh = jax.make_mesh((4, 2), ("data", "m"), axis_types=(AxisType.Explicit,) * 2)
+  rng = np.random.default_rng(4)
+  w = rng.normal(size=(6, 16)).astype(np.float32)
+  x = rng.normal(size=(32, 6)).astype(np.float32)
+
+  def loss(w, x):
+    return jnp.mean(jnp.tanh(x @ w) ** 2)
+
+  def fun(w, x):
+    h = jnp.tanh(x @ w)
+    return jax.value_and_grad(loss)(w, x), h, jnp.sum(h, 0), jnp.max(h, 0)
+
+  k = 4
+  f = microbatch(fun, k, split=split, reduction=("mean", "concat", "concat", "last"))
+  with jax.set_mesh(mesh):
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "m")))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    (value, grad), rows, sums, last = jax.jit(f)(ws, xs)
+  micro = [x[i::k] if split == "strided" else x[8 * i : 8 * (i + 1)] for i in range(k)]
+  h = np.tanh(x @ w)
+  chex.assert_trees_all_close(
+    (value, grad), jax.value_and_grad(lambda w: fun(w, x)[0][0])(w), **TOL
+  )
+  chex.assert_trees_all_close(rows, h, **TOL)
+  chex.assert_trees_all_close(sums, np.concatenate([np.tanh(m @ w).sum(0) for m in micro]), **TOL)
+  chex.assert_trees_all_close(last, np.tanh(micro[-1] @ w).max(0), **TOL)
+  assert grad.sharding.spec == P(None, "m")  # the gradient keeps the weights' sharding
+  if split == "strided":
+    assert rows.sharding.spec == P("data", "m")  # per-example rows keep the batch's sharding
 
 
 def _find(jaxpr, name):
