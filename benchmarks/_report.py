@@ -295,7 +295,8 @@ def markdown(res: dict[str, Any]) -> str:
       ),
       "",
     ]
-  within = res.get("within", [])
+  within = [r for r in res.get("within", []) if "case" not in r]
+  padded = [r for r in res.get("within", []) if r.get("case") == "padded"]
   if within:
     info = res["meta"].get("within_model", {})
     parts += [
@@ -338,6 +339,40 @@ def markdown(res: dict[str, Any]) -> str:
       "",
       "The Python loop's peak is its micro-step program's; its compile time does not grow "
       "with k either (one program, k dispatches).",
+      "",
+    ]
+  if padded:
+    parts += [
+      "## Within-step: a padded last batch (n of k micro-batches real)",
+      "",
+      "The same global batch, of which only the first n micro-batches hold real rows (the last, "
+      "partly empty batch of an epoch). `num_real_microbatches=n` is traced: one compiled "
+      "program serves every n, for both libraries (optax with `RUNNING_MEAN`, the mean over "
+      "the micro-batches that ran — its `MEAN` divides by k). Both agreed with the large batch "
+      "of the real rows before timing. *call / all real* is the time of one call at n over the "
+      "same program with all k real: n/k when the loop stops early.",
+      "",
+      _table(
+        [
+          "n/k",
+          "contender",
+          "µs / real example",
+          "× large (real rows)",
+          "× optax",
+          "call / all real",
+        ],
+        [
+          [
+            f"{r['num_real']}/{r['k']}",
+            r["contender"].split(",")[0],
+            f"{r['time_per_example']['median_s'] * 1e6:.2f}",
+            f"{r['ratio_vs_large']:.2f}",
+            f"{r['ratio_vs_optax']:.2f}",
+            "–" if r.get("call_vs_all_real") is None else f"{r['call_vs_all_real']:.2f}",
+          ]
+          for r in padded
+        ],
+      ),
       "",
     ]
   prec = res.get("precision", [])
@@ -432,7 +467,7 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
     fig.savefig(f, dpi=110)
     plt.close(fig)
     files.append(f.name)
-  within = res.get("within", [])
+  within = [r for r in res.get("within", []) if "case" not in r]
   if within:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     for n in dict.fromkeys(r["contender"] for r in within):
