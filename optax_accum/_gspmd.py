@@ -50,14 +50,14 @@ Varying = Literal["error", "concat"]
 VARYINGS: tuple[str, ...] = ("error", "concat")
 
 OUTPUT_VARIES = (
-  "data_parallel: output{path} differs per device over axis_name={axis!r} ({type}), so it has "
+  "{caller}: output{path} differs per device over axis_name={axis!r} ({type}), so it has "
   "no single value to return under plain `jax.jit`. Reduce it inside the function (e.g. "
   "`jax.lax.pmean(x, {axis!r})`, or `microbatch(..., axis_name={axis!r})` with reduction "
   "'mean'/'sum'), or pass varying='concat' to join the devices' values along its leading axis."
 )
 
 SYNC_MICROBATCH_STATE = (
-  "data_parallel: sync='microbatch' reduces every micro-step, but argument or output{path} is "
+  "{caller}: sync='microbatch' reduces every micro-step, but argument or output{path} is "
   "an AccumulateState with per-device sums (accumulate(..., axis_name={axis!r})). For one "
   "reduction per micro-step under plain `jax.jit` use accumulate(..., axis_name=None): its "
   "accumulator then keeps each parameter's sharding (`state_partition_specs(tx, shardings, "
@@ -229,30 +229,34 @@ def _place(x: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> Any:
 # Outputs.
 
 
-def _out_spec(path: Any, t: Any, lead: Any, axes: tuple, varying: Varying, stacked: bool) -> P:
+def _out_spec(
+  path: Any, t: Any, lead: Any, axes: tuple, varying: Varying, stacked: bool, caller: str
+) -> P:
   if not set(axes) & _collectives.vma(t):
     return P()
   where = jax.tree_util.keystr(path)
   if stacked or varying == "concat":
     if not t.shape:
       raise ValueError(
-        f"data_parallel: output{where} is a scalar that differs per device over "
+        f"{caller}: output{where} is a scalar that differs per device over "
         f"axis_name={lead!r}; there is no leading axis to join the devices' values along. "
         f"Reduce it inside the function (e.g. `jax.lax.pmean(x, {lead!r})`)."
       )
     return P(lead)
-  raise ValueError(OUTPUT_VARIES.format(path=where, axis=lead, type=f"{t.dtype}{list(t.shape)}"))
+  raise ValueError(
+    OUTPUT_VARIES.format(caller=caller, path=where, axis=lead, type=f"{t.dtype}{list(t.shape)}")
+  )
 
 
-def _out_specs(types: Any, lead: Any, axes: tuple, varying: Varying) -> Any:
+def _out_specs(types: Any, lead: Any, axes: tuple, varying: Varying, caller: str) -> Any:
   """Specs of `fun`'s outputs, from their types: replicated, or split over the axis."""
 
   def node(path, x):
     if _is_state(x):  # its per-device sums are device-varying: stacked over the axis
       return jax.tree_util.tree_map_with_path(
-        lambda p, t: _out_spec(path + p, t, lead, axes, varying, stacked=True), x
+        lambda p, t: _out_spec(path + p, t, lead, axes, varying, True, caller), x
       )
-    return _out_spec(path, x, lead, axes, varying, stacked=False)
+    return _out_spec(path, x, lead, axes, varying, False, caller)
 
   return jax.tree_util.tree_map_with_path(node, types, is_leaf=_is_state)
 
@@ -308,7 +312,7 @@ def _bind_manual(
   types: list = []
   sm = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), axis_names=set(axes))
   jax.eval_shape(sm(probe, out_specs=()), arrays)
-  out_specs = _out_specs(types[0], lead, axes, varying)
+  out_specs = _out_specs(types[0], lead, axes, varying, caller)
   return sm(body, out_specs=out_specs)(arrays)
 
 
@@ -326,7 +330,7 @@ def _bind_trivial(fun: Callable, axes: tuple, caller: str, args, kwargs) -> Any:
   and GSPMD partitions `fun` over the whole mesh (sync="microbatch")."""
   for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state):
     if _per_device_state(x):
-      raise ValueError(SYNC_MICROBATCH_STATE.format(path="", axis=_lead(axes)))
+      raise ValueError(SYNC_MICROBATCH_STATE.format(caller=caller, path="", axis=_lead(axes)))
 
   def call(_):
     return fun(*args, **kwargs)
@@ -337,7 +341,9 @@ def _bind_trivial(fun: Callable, axes: tuple, caller: str, args, kwargs) -> Any:
   out = f(np.zeros((), np.int32))
   for x in jax.tree.leaves(out, is_leaf=_is_state):
     if _per_device_state(x):
-      raise ValueError(SYNC_MICROBATCH_STATE.format(path=" (an output)", axis=_lead(axes)))
+      raise ValueError(
+        SYNC_MICROBATCH_STATE.format(caller=caller, path=" (an output)", axis=_lead(axes))
+      )
   return out
 
 
@@ -402,7 +408,33 @@ def data_parallel(
   >>> bool(jnp.allclose(f(jnp.ones(2), x), jnp.mean((x @ jnp.ones(2)) ** 2)))
   True
   """
-  caller = "data_parallel"
+  return bind(
+    fun,
+    axis_name,
+    batch_argnums=batch_argnums,
+    batch_argnames=batch_argnames,
+    batch_axes=batch_axes,
+    mesh=mesh,
+    varying=varying,
+    sync=sync,
+    caller="data_parallel",
+  )
+
+
+def bind(
+  fun: Callable[..., Any],
+  axis_name: AxisName,
+  *,
+  batch_argnums: int | Sequence[int] = (),
+  batch_argnames: str | Sequence[str] = (),
+  batch_axes: int | Sequence[int] = 0,
+  mesh: Any = None,
+  varying: Varying = "error",
+  sync: Sync = "update",
+  caller: str,
+) -> Callable[..., Any]:
+  """`data_parallel`, naming `caller` (the front end) in its errors: the one seam through which
+  ``microbatch(axis_name=...)`` and ``TrainStep(axis_name=...)`` bind the axis under plain jit."""
   if not callable(fun):
     raise TypeError(f"{caller}: fun must be callable, got {fun!r}.")
   axes = _collectives.axis_names(axis_name)
