@@ -16,6 +16,22 @@ Contenders:
   params (autodiff all-reduces every micro-batch) — what one gets without deferral;
 * within-step `microbatch(..., axis_name="d")` vs `optax.microbatching.microbatch` on
   replicated params (an all-reduce inside the loop body).
+
+Plain `jax.jit` (GSPMD, no hand-written `shard_map`; sections "plain-jit within" and "plain-jit
+cross", on an Explicit and an Auto mesh), with time per update (median of interleaved rounds):
+
+* within: a naive `lax.scan` of `jax.grad` (GSPMD reduces every micro-batch, inside the loop)
+  vs `microbatch(..., axis_name="d")` bound by `optax_accum.data_parallel` (one reduction);
+* cross: `accumulate` without an axis name in the user's jitted step (GSPMD reduces every
+  micro-step) vs the recipe: `accumulate(axis_name="d")` in a step bound by `data_parallel`.
+
+FSDP (section "fsdp": parameters sharded over "d", Auto mesh): memory of both choices, within
+a step (`data_parallel` sync="update" vs sync="microbatch") and across steps (`accumulate` with
+the axis bound vs without an axis name), from XLA's memory analysis.
+
+``--gpu-topology 1x1x8`` compiles the plain-jit programs for a virtual 8-GPU topology of the
+attached GPU (compile only, counts only), to see what XLA:GPU's pipeline does with the naive
+scan's all-reduce (it may move it out of the loop).
 """
 
 from __future__ import annotations
@@ -27,8 +43,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import NamedSharding
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -127,6 +145,403 @@ def per_update(programs: dict[str, H.Compiled], k: int, kind: str) -> dict[str, 
   return {"all_reduce_ops": ops, "bytes": nbytes}
 
 
+# ----------------------------------------------------------------------------------------------
+# Plain jax.jit (GSPMD).
+
+
+def _strided(batch, k: int):
+  """(k, n/k, ...) micro-batches, micro-batch i = rows i, i+k, ...: each keeps the batch's
+  sharding over "d" (a contiguous split would move rows between devices)."""
+  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), batch)
+
+
+def naive_scan(model, k: int):
+  """The textbook in-step accumulation: a `lax.scan` of `jax.grad`, no axis name."""
+
+  def f(params, batch):
+    def body(acc, mb):
+      return jax.tree.map(jnp.add, acc, jax.grad(model.loss)(params, mb)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    acc, _ = lax.scan(body, zeros, _strided(batch, k))
+    return jax.tree.map(lambda a: a / k, acc)
+
+  return f
+
+
+def naive_weighted_scan(model, k: int):
+  """The same, weighted by each micro-batch's number of real rows (``acc + w·g``, as for token
+  counts; here every row is real, so it is the same mean): the all-reduce's result is no longer
+  added into the carry as it is."""
+
+  def f(params, batch):
+    def body(carry, mb):
+      acc, total = carry
+      w = jnp.sum(mb[1] >= 0).astype(jnp.float32)  # data-dependent: XLA cannot fold it
+      g = jax.grad(model.loss)(params, mb)
+      return (jax.tree.map(lambda a, x: a + w * x, acc, g), total + w), None
+
+    zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
+    (acc, total), _ = lax.scan(body, zeros, _strided(batch, k))
+    return jax.tree.map(lambda a: a / total, acc)
+
+  return f
+
+
+def bound_microbatch(model, k: int):
+  """`microbatch(axis_name="d")` with `data_parallel` binding "d" under plain jit."""
+  grad = optax_accum.microbatch(jax.grad(model.loss), k, axis_name="d")
+  return optax_accum.data_parallel(grad, "d", batch_argnums=1)
+
+
+def plain_within_programs(model, params, batch, k: int) -> dict[str, dict[str, H.Compiled]]:
+  unbound = optax_accum.microbatch(jax.grad(model.loss), k)  # no axis name: GSPMD decides
+  fns = {
+    "plain jit: naive lax.scan of jax.grad": naive_scan(model, k),
+    "plain jit: naive lax.scan, weighted (acc + w*g)": naive_weighted_scan(model, k),
+    "plain jit: microbatch (no axis name)": unbound,
+    "plain jit: microbatch(axis_name) bound by data_parallel": bound_microbatch(model, k),
+  }
+  return {name: {"step": H.compile_fn(f, params, batch)} for name, f in fns.items()}
+
+
+def _protocol_step(model, tx, local: bool):
+  def step(params, state, batch, emit):
+    p = jax.lax.pcast(params, "d", to="varying") if local else params
+    grads = jax.grad(model.loss)(p, batch)
+    updates, state = tx.update(grads, state, params, emit=emit)
+    return optax.apply_updates(params, updates), state
+
+  return step
+
+
+def plain_cross_programs(model, params, batch, mesh, k: int):
+  """{name: ({"accumulate"|"emit": Compiled}, init)} for the cross-step contenders (`params`
+  and `batch` may be `jax.ShapeDtypeStruct`s: nothing runs here)."""
+  adam = optax.adam(1e-3)
+  out = {}
+  for name, axis in (
+    ("plain jit: accumulate (no axis name), static emit", None),
+    ("plain jit: accumulate(axis_name) recipe via data_parallel, static emit", "d"),
+  ):
+    tx = optax_accum.accumulate(adam, k, axis_name=axis)
+    shardings = jax.tree.map(lambda _: NamedSharding(mesh, P()), params)
+    state_shardings = optax_accum.state_partition_specs(tx, shardings, axis)
+    bind = _binder(axis, mesh)
+    init = jax.jit(bind(tx.init), out_shardings=state_shardings)
+    state = jax.eval_shape(init, params)
+    step = bind(_protocol_step(model, tx, local=axis is not None), batch_argnums=2)
+    programs = {
+      p: H.compile_fn(
+        step, params, state, batch, emit, static_argnums=(3,),
+        out_shardings=(shardings, state_shardings),
+      )
+      for p, emit in (("accumulate", False), ("emit", True))
+    }  # fmt: skip
+    out[name] = (programs, init)
+  return out
+
+
+def _binder(axis, mesh):
+  """`data_parallel` over `axis` (or nothing when None), as a decorator with keywords."""
+  if axis is None:
+    return lambda f, **kw: f
+  return lambda f, **kw: optax_accum.data_parallel(f, axis, mesh=mesh, **kw)
+
+
+def _reductions_per_update(programs: dict[str, H.Compiled], k: int, kind: str) -> dict:
+  """Gradient reductions (all-reduce + reduce-scatter) and all-gathers run per update."""
+  calls = {"accumulate": k - 1, "emit": 1, "step": 1 if kind == "within" else k}
+  out = {"reductions": 0, "all_gathers": 0, "reductions_in_loop": 0}
+  for name, c in programs.items():
+    n = calls[name]
+    for key, kinds in (
+      ("reductions", ("all-reduce", "reduce-scatter")),
+      ("all_gathers", ("all-gather",)),
+    ):
+      for kd in kinds:
+        loop = optax_accum.count_collectives(c.text, kd, where="loop")
+        total = optax_accum.count_collectives(c.text, kd)
+        out[key] += n * ((total - loop) + k * loop)
+        if key == "reductions":
+          out["reductions_in_loop"] += loop
+  return out
+
+
+def _window(programs, params, state, batch, k: int):
+  """One update: k-1 accumulating calls and the emitting one."""
+  for i in range(k):
+    params, state = programs["emit" if i == k - 1 else "accumulate"](params, state, batch)
+  return params, state
+
+
+def _put(mesh, tree, spec):
+  return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+def _plain_within_rows(model, params, batch, k, axis_type, rounds) -> list[dict]:
+  within = plain_within_programs(model, params, batch, k)
+  outs = {name: progs["step"](params, batch) for name, progs in within.items()}
+  first = next(iter(outs.values()))
+  for name, out in outs.items():
+    d, rel = H.max_diff(out, first)
+    assert rel < 1e-4, f"plain-jit within: {name} disagrees: {d} ({rel} relative)"
+  fns = {name: (lambda f=progs["step"]: f(params, batch)) for name, progs in within.items()}
+  times = H.run_side_by_side(fns, rounds=rounds)
+  return [
+    _plain_row("plain-jit within", name, k, axis_type, progs, times[name], params)
+    for name, progs in within.items()
+  ]
+
+
+def _plain_cross_rows(model, params, batch, mesh, k, axis_type, rounds) -> list[dict]:
+  cross = plain_cross_programs(model, params, batch, mesh, k)
+  states = {name: init(params) for name, (_, init) in cross.items()}
+  ends = [_window(progs, params, states[name], batch, k)[0] for name, (progs, _) in cross.items()]
+  d, rel = H.max_diff(*ends)
+  assert rel < 1e-4, f"plain-jit cross contenders disagree: {d} ({rel} relative)"
+  fns = {
+    name: (lambda p=progs, s=states[name]: _window(p, params, s, batch, k))
+    for name, (progs, _) in cross.items()
+  }
+  times = H.run_side_by_side(fns, rounds=rounds)
+  return [
+    _plain_row("plain-jit cross", name, k, axis_type, progs, times[name], params)
+    for name, (progs, _) in cross.items()
+  ]
+
+
+def plain_rows(model, params, cfg: dict, k: int, axis_type) -> list[dict]:
+  """Plain-jit rows for one k and one mesh axis type: counts, time per update, agreement."""
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("d",), axis_types=(axis_type,))
+  rounds = cfg.get("dist_rounds", 5)
+  with jax.set_mesh(mesh):
+    params = _put(mesh, params, P())
+    within = _put(mesh, model.batch(jax.random.key(1), cfg["dist_micro"] * k * n), P("d"))
+    cross = _put(mesh, model.batch(jax.random.key(2), cfg["dist_micro"] * n), P("d"))
+    return _plain_within_rows(model, params, within, k, axis_type, rounds) + _plain_cross_rows(
+      model, params, cross, mesh, k, axis_type, rounds
+    )
+
+
+def _plain_row(section, name, k, axis_type, programs, timing, params) -> dict:
+  kind = "cross" if "cross" in section or "cross" in name else "within"
+  counts = _reductions_per_update(programs, k, kind)
+  return {
+    "section": section,
+    "k": k,
+    "devices": jax.device_count(),
+    "contender": f"{name} [{axis_type.name}]",
+    # For these rows: gradient reductions (all-reduce + reduce-scatter) run per update.
+    "all_reduce_ops": counts["reductions"],
+    "bytes": per_update(programs, k, kind)["bytes"],
+    "param_bytes": H.tree_bytes(params),
+    "all_gather_ops": counts["all_gathers"],
+    "reductions_in_loop_body": counts["reductions_in_loop"],
+    "axis_types": axis_type.name,
+    "time_per_update_s": None if timing is None else timing.median,
+    "iqr_rel": None if timing is None else timing.spread,
+    "programs": {
+      p: {"collectives": c.hlo.collectives, "where": c.hlo.collective_where, "memory": c.memory}
+      for p, c in programs.items()
+    },
+  }
+
+
+# ----------------------------------------------------------------------------------------------
+# FSDP: parameters sharded over "d". Memory of both choices.
+
+
+def _fsdp_shardings(params, mesh):
+  n = mesh.size
+  return jax.tree.map(lambda x: NamedSharding(mesh, P("d") if x.shape[0] % n == 0 else P()), params)
+
+
+def _per_device_bytes(tree) -> int:
+  return int(sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree)))
+
+
+def _fsdp_within(model, params, batch, shardings, k: int):
+  """{choice: (Compiled step, optimizer state)}: one Adam update on a microbatched gradient."""
+  adam = optax.adam(1e-3)
+  opt_shardings = optax_accum.state_partition_specs(adam, shardings, None)
+  opt_state = jax.jit(adam.init, out_shardings=opt_shardings)(params)
+  out = {}
+  for choice, sync in (
+    ("defer: sync='update'", "update"),
+    ("per micro-batch: sync='microbatch'", "microbatch"),
+  ):
+    grad = optax_accum.microbatch(jax.grad(model.loss), k, axis_name="d")
+    grad = optax_accum.data_parallel(grad, "d", batch_argnums=1, sync=sync)
+
+    def step(params, opt_state, batch, grad=grad):
+      updates, opt_state = adam.update(grad(params, batch), opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    c = H.compile_fn(
+      step,
+      params,
+      opt_state,
+      batch,
+      donate_argnums=(0, 1),
+      out_shardings=(shardings, opt_shardings),
+    )
+    out[f"fsdp within, {choice}"] = ({"step": c}, opt_state)
+  return out
+
+
+def _fsdp_cross(model, params, batch, shardings, mesh, k: int):
+  """{choice: ({"accumulate"|"emit": Compiled}, state)}: accumulate across steps."""
+  adam = optax.adam(1e-3)
+  out = {}
+  for choice, axis in (
+    ("defer: axis_name + data_parallel", "d"),
+    ("per micro-step: no axis name", None),
+  ):
+    tx = optax_accum.accumulate(adam, k, axis_name=axis)
+    state_shardings = optax_accum.state_partition_specs(tx, shardings, axis, gathered=True)
+    bind = _binder(axis, mesh)
+    state = jax.jit(bind(tx.init), out_shardings=state_shardings)(params)
+    step = bind(_protocol_step(model, tx, local=axis is not None), batch_argnums=2)
+    programs = {
+      p: H.compile_fn(
+        step, params, state, batch, emit, static_argnums=(3,), donate_argnums=(0, 1),
+        out_shardings=(shardings, state_shardings),
+      )
+      for p, emit in (("accumulate", False), ("emit", True))
+    }  # fmt: skip
+    out[f"fsdp cross, {choice}"] = (programs, state)
+  return out
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def fsdp_rows(model, params, cfg: dict, k: int) -> list[dict]:
+  """Memory (XLA's analysis) and reductions of both FSDP choices, within and across steps."""
+  n = jax.device_count()
+  mesh = jax.make_mesh((n,), ("d",), axis_types=(AxisType.Auto,))
+  rows = []
+  with jax.set_mesh(mesh):
+    shardings = _fsdp_shardings(params, mesh)
+    params = jax.device_put(params, shardings)
+    within = _put(mesh, model.batch(jax.random.key(3), cfg["dist_micro"] * k * n), P("d"))
+    cross = _put(mesh, model.batch(jax.random.key(4), cfg["dist_micro"] * n), P("d"))
+    ends = {}
+    for name, (progs, state) in _fsdp_within(model, params, within, shardings, k).items():
+      ends[name] = progs["step"](_copy(params), _copy(state), within)[0]
+      rows.append(_fsdp_row(name, "within", k, progs, state, params))
+    for name, (progs, state) in _fsdp_cross(model, params, cross, shardings, mesh, k).items():
+      p, s = _copy(params), _copy(state)
+      for i in range(k):
+        p, s = progs["emit" if i == k - 1 else "accumulate"](p, s, cross)
+      ends[name] = p
+      rows.append(_fsdp_row(name, "cross", k, progs, state, params))
+  names = list(ends)
+  for a, b in ((names[0], names[1]), (names[2], names[3])):
+    d, rel = H.max_diff(ends[a], ends[b])
+    assert rel < 1e-4, f"FSDP choices disagree: {a} vs {b}: {d} ({rel} relative)"
+  return rows
+
+
+def _fsdp_row(name, kind, k, programs, state, params) -> dict:
+  counts = _reductions_per_update(programs, k, kind)
+  return {
+    "section": "fsdp",
+    "k": k,
+    "devices": jax.device_count(),
+    "contender": name,
+    "all_reduce_ops": counts["reductions"],
+    "bytes": per_update(programs, k, kind)["bytes"],
+    "param_bytes": H.tree_bytes(params),
+    "all_gather_ops": counts["all_gathers"],
+    "reductions_in_loop_body": counts["reductions_in_loop"],
+    "param_bytes_per_device": _per_device_bytes(params),
+    "state_bytes_per_device": _per_device_bytes(state),
+    "temp_bytes": max(c.memory["temp"] for c in programs.values()),
+    "peak_bytes": max(c.memory["peak"] for c in programs.values()),
+    "programs": {
+      p: {"collectives": c.hlo.collectives, "memory": c.memory} for p, c in programs.items()
+    },
+  }
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile only, for a virtual multi-GPU topology of the attached GPU.
+
+
+def _fsdp_within_compile_only(model, params, batch, mesh, k: int) -> dict:
+  """`_fsdp_within`'s programs for `jax.ShapeDtypeStruct` inputs (nothing runs)."""
+  adam = optax.adam(1e-3)
+  shardings = _fsdp_shardings(params, mesh)
+  params = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings
+  )
+  opt_shardings = optax_accum.state_partition_specs(adam, shardings, None)
+  opt_state = jax.eval_shape(jax.jit(adam.init, out_shardings=opt_shardings), params)
+  out = {}
+  for sync in ("update", "microbatch"):
+    grad = optax_accum.data_parallel(
+      optax_accum.microbatch(jax.grad(model.loss), k, axis_name="d"),
+      "d",
+      batch_argnums=1,
+      sync=sync,
+    )
+
+    def step(params, opt_state, batch, grad=grad):
+      updates, opt_state = adam.update(grad(params, batch), opt_state, params)
+      return optax.apply_updates(params, updates), opt_state
+
+    c = H.compile_fn(step, params, opt_state, batch, out_shardings=(shardings, opt_shardings))
+    out[f"fsdp within, sync='{sync}'"] = {"step": c}
+  return out
+
+
+def _batch_shapes(model, n: int):
+  return jax.eval_shape(lambda: model.batch(jax.random.key(0), n))
+
+
+def gpu_topology_rows(cfg: dict, topology: str) -> list[dict]:
+  """Counts of the plain-jit contenders compiled (not run) for `topology` GPUs."""
+  if topology == "cpu":  # the same programs on this process's devices: to check this path
+    devices = jax.devices()
+  else:
+    from jax.experimental import topologies  # noqa: PLC0415
+
+    devices = topologies.get_topology_desc(platform="cuda", topology=topology).devices
+  model = _models.mlp(tuple(cfg["dist_mlp"]), name="mlp")
+  params = jax.eval_shape(model.init, jax.random.key(0))
+  rows = []
+  for axis_type in (AxisType.Explicit, AxisType.Auto):
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("d",), axis_types=(axis_type,))
+    n = mesh.size
+
+    def sds(tree, spec, mesh=mesh):
+      return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)), tree
+      )
+
+    with jax.set_mesh(mesh):
+      p = sds(params, P())
+      for k in cfg["dist_ks"]:
+        # Shapes only: nothing may run on compile-only devices (not even making a key).
+        within = sds(_batch_shapes(model, cfg["dist_micro"] * k * n), P("d"))
+        for name, progs in plain_within_programs(model, p, within, k).items():
+          rows.append(_plain_row("plain-jit within", name, k, axis_type, progs, None, params))
+        cross = sds(_batch_shapes(model, cfg["dist_micro"] * n), P("d"))
+        for name, (progs, _) in plain_cross_programs(model, p, cross, mesh, k).items():
+          rows.append(_plain_row("plain-jit cross", name, k, axis_type, progs, None, params))
+        if axis_type == AxisType.Auto:  # FSDP: an unannotated model needs Auto axes unbound
+          for name, progs in _fsdp_within_compile_only(model, params, within, mesh, k).items():
+            rows.append(_plain_row("fsdp", name, k, axis_type, progs, None, params))
+  for r in rows:
+    r["devices"] = f"{len(devices)} x {devices[0].device_kind} (compile only)"
+    r["jax_version"] = jax.__version__
+  return rows
+
+
 def run(cfg: dict) -> list[dict]:
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("d",))
@@ -164,6 +579,10 @@ def run(cfg: dict) -> list[dict]:
             },
           }
         )
+  for k in cfg["dist_ks"]:
+    for axis_type in (AxisType.Explicit, AxisType.Auto):
+      rows += plain_rows(model, params, cfg, k, axis_type)
+    rows += fsdp_rows(model, params, cfg, k)
   return rows
 
 
@@ -171,9 +590,14 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--config", required=True, help="JSON config")
   ap.add_argument("--out", required=True, help="where to write the rows (JSON)")
+  ap.add_argument(
+    "--gpu-topology",
+    default=None,
+    help="compile only, for this virtual topology of the attached GPU (e.g. 1x1x8)",
+  )
   args = ap.parse_args()
   cfg = json.loads(args.config)
-  rows = run(cfg)
+  rows = gpu_topology_rows(cfg, args.gpu_topology) if args.gpu_topology else run(cfg)
   Path(args.out).write_text(json.dumps(rows, indent=1, default=str))
 
 
