@@ -27,6 +27,9 @@ every collective over it the identity) and leaves the whole mesh to GSPMD, which
 micro-batch's gradient where autodiff makes it — for parameters sharded over the data axis a
 reduce-scatter into an accumulator sharded like them, instead of a full-size accumulator on
 every device.
+
+`bind` is the same with the front end's name in its errors: the seam through which
+``microbatch(axis_name=...)`` and ``TrainStep(axis_name=...)`` bind the axis themselves.
 """
 
 from __future__ import annotations
@@ -304,12 +307,14 @@ def _bind_manual(
     a, kw = rebuild(arrays)
     return fun(*a, **kw)
 
+  # The output specs depend on which outputs vary per device: trace once to find out (the
+  # types exist only inside the map, so the probe hands them out).
+  types: list = []
+
   def probe(arrays):
     types.append(jax.eval_shape(lambda: body(arrays)))
     return ()
 
-  # The output specs depend on which outputs vary per device: trace once to find out.
-  types: list = []
   sm = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), axis_names=set(axes))
   jax.eval_shape(sm(probe, out_specs=()), arrays)
   out_specs = _out_specs(types[0], lead, axes, varying, caller)
