@@ -120,7 +120,10 @@ def make_config(
   """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
   if not callable(every_k):
     every_k = _checks.positive_int(
-      every_k, "every_k", alternative=" or a callable gradient_step -> k"
+      every_k,
+      "every_k",
+      alternative=" or a callable gradient_step -> k",
+      maximum=_checks.MAX_WINDOW,
     )
   return Config(
     inner=optax.with_extra_args_support(inner),
@@ -145,38 +148,81 @@ def _this_device(tree: Any, axis_name: AxisName | None) -> Any:
   return tree if axis_name is None else jax.tree.map(lambda a: a[0], tree)
 
 
-def _check_tree(grads: Any, state: AccumulateState, axis_name: AxisName | None) -> None:
-  """Raises if `grads` has another tree or other shapes than the accumulator in `state`."""
-  if state.acc_grads is None:
+def _check_window(cfg: Config, state: AccumulateState) -> None:
+  """Raises if the state was made for another window length (every_k == 1 keeps no sums)."""
+  if (state.acc_grads is None) == cfg.unaccumulated:
     return
-  got, want = jax.tree.structure(grads), jax.tree.structure(state.acc_grads)
+  if state.acc_grads is None:
+    made, now = "every_k=1 (it holds no accumulator)", f"every_k={cfg.every_k}"
+  else:
+    made, now = "every_k > 1 (it holds an accumulator)", "every_k=1"
+  raise ValueError(
+    f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
+    "state with the object that updates it: `tx.init(params)` or `step.init(params)`."
+  )
+
+
+def _check_dtypes(cfg: Config, grads: Any, acc: Any) -> None:
+  """With ``accum_dtype=None`` the accumulator took the parameters' dtypes at `init` (the
+  gradients' own dtype is unknown until `update`): raise rather than narrow a wider gradient."""
+  if cfg.accum_dtype is not None or acc is None:
+    return
+  narrowed = [
+    f"  {jax.tree_util.keystr(path)}: gradient {jnp.result_type(g)}, accumulator {a.dtype}"
+    for (path, g), a in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(acc), strict=True)
+    if jnp.promote_types(jnp.result_type(g), a.dtype) != a.dtype
+  ]
+  if narrowed:
+    raise TypeError(
+      "accumulate.update: accum_dtype=None made the accumulator in the parameters' dtypes at "
+      "init, which cannot hold these gradients exactly:\n" + "\n".join(narrowed) + "\n"
+      "Pass the dtype to accumulate in, e.g. accum_dtype=jnp.float32."
+    )
+
+
+def _check_tree(grads: Any, reference: Any, lead: int, name: str, described: str) -> None:
+  """Raises if `grads` has another tree or other shapes than `reference` (`name`: the state's
+  accumulator, whose first `lead` axes are per-device, or the parameters)."""
+  got, want = jax.tree.structure(grads), jax.tree.structure(reference)
   if got != want:
     raise ValueError(
-      "accumulate.update: grads do not match the tree the state was initialised with.\n"
-      f"  grads: {got}\n  state: {want}\n"
+      f"accumulate.update: grads do not match {described}.\n  grads: {got}\n  {name}: {want}\n"
       "Maybe init was called on different parameters than those you differentiate."
     )
-  per_device_axis = 0 if axis_name is None else 1
-  pairs = zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(state.acc_grads), strict=True)
+  pairs = zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(reference), strict=True)
   bad = [
-    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, state {jnp.shape(a)[per_device_axis:]}"
+    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, {name} {jnp.shape(a)[lead:]}"
     for (path, g), a in pairs
-    if jnp.shape(a)[per_device_axis:] != jnp.shape(g)
+    if jnp.shape(a)[lead:] != jnp.shape(g)
   ]
   if bad:
     raise ValueError(
-      "accumulate.update: grads have other shapes than the state:\n" + "\n".join(bad)
+      f"accumulate.update: grads have other shapes than the {name}:\n" + "\n".join(bad)
     )
 
 
 def check_update(
-  cfg: Config, grads: Any, state: AccumulateState, weight: Any, force_emit: Any, emit: Any
+  cfg: Config,
+  grads: Any,
+  state: AccumulateState,
+  params: Any,
+  weight: Any,
+  force_emit: Any,
+  emit: Any,
 ) -> jax.Array | None:
   """The trace-time checks of one `update` call; returns the weight as an array (or None)."""
   caller = "accumulate.update"
   _collectives.check_bound(cfg.axis_name, caller)
-  _check_tree(grads, state, cfg.axis_name)
+  _check_window(cfg, state)
+  if state.acc_grads is not None:
+    lead = 0 if cfg.axis_name is None else 1
+    described = "the tree the state was initialised with"
+    _check_tree(grads, state.acc_grads, lead, "state", described)
+  elif params is not None:
+    _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
+  _check_dtypes(cfg, grads, state.acc_grads)
   weight = _checks.weight(weight, caller)
+  _checks.flag(force_emit, "force_emit", caller)
   if emit is not None and not isinstance(emit, bool):
     raise TypeError(f"{caller}: emit must be None or a Python bool, got {emit!r}.")
   if emit is False and force_emit is True:
@@ -280,8 +326,12 @@ IN_ACCUMULATOR = Finish(
 
 
 def zeros_finish(types: Any) -> Finish:
-  """The optax protocol otherwise: the updates, or zeros typed like them."""
-  zeros = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), types)
+  """The optax protocol otherwise: the updates, or zeros typed like them (their sharding
+  included: on an Explicit mesh it is part of the type, and both branches of a conditional
+  must agree on it)."""
+  zeros = jax.tree.map(
+    lambda t: jnp.zeros(t.shape, t.dtype, out_sharding=getattr(t.sharding, "spec", None)), types
+  )
   return Finish(applied=lambda updates, params, sums: updates, empty=lambda params, sums: zeros)
 
 
@@ -383,11 +433,18 @@ def advance(
   )
 
 
+def _gradient_like(params: Any) -> Any:
+  """What the gradients look like: the parameters, except for `optax.lookahead`, whose
+  parameters are ``LookaheadParams(fast, slow)`` and whose gradients are the fast weights'."""
+  return params.fast if isinstance(params, optax.LookaheadParams) else params
+
+
 def init(cfg: Config, params: Any) -> AccumulateState:
   """The initial state: an empty window (no accumulator when every_k == 1)."""
-  acc = (
-    None if cfg.unaccumulated else _per_device(_core.zeros(params, cfg.accum_dtype), cfg.axis_name)
-  )
+  _collectives.check_bound(cfg.axis_name, "accumulate.init")
+  acc = None
+  if not cfg.unaccumulated:
+    acc = _per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype), cfg.axis_name)
   return AccumulateState(
     mini_step=jnp.zeros((), jnp.int32),
     gradient_step=jnp.zeros((), jnp.int32),
@@ -412,7 +469,7 @@ def update(
 ) -> tuple[Any, AccumulateState]:
   """`accumulate`'s update: the optax protocol, read top-down (`updates` are gradients)."""
   grads = updates
-  weight = check_update(cfg, grads, state, weight, force_emit, emit)
+  weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
   sums, total, dropped = add(cfg, grads, state, weight)
   if cfg.unaccumulated:
     emit = True if cfg.axis_name is not None else None  # every step closes its window

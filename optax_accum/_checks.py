@@ -1,12 +1,17 @@
 """What users pass in, checked once: clear errors that name the argument and the value.
 
-Factory arguments are checked when `accumulate`, `TrainStep` or `microbatch` is called; values
-that arrive with each call (a micro-batch's weight) are checked at trace time where they are
-concrete.
+Factory arguments are checked when `accumulate`, `TrainStep` or `microbatch` is called. Values
+that arrive with each call are checked where they can be:
+
+* a host value (a Python or NumPy number) raises, before anything is dispatched, even under
+  `jax.jit` (it is a constant there);
+* a traced value cannot raise: `valid_weight` gives the scalar predicate with which the front
+  ends drop (`accumulate`) or poison (`microbatch`) what it would have spoiled.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -15,9 +20,22 @@ import numpy as np
 
 from optax_accum._typing import REDUCTIONS, Reduction
 
+# The window counters are int32 (a state that is a `lax.scan` carry needs fixed dtypes).
+MAX_WINDOW = int(np.iinfo(np.int32).max)
 
-def positive_int(value: Any, name: str, caller: str | None = None, *, alternative: str = "") -> int:
-  """`value` as a Python int >= 1 (NumPy integers accepted); bools, floats, < 1 raise.
+# The dtype of the accumulated weight (`AccumulateState.acc_weight`, microbatch's total).
+WEIGHT_DTYPE = np.float32
+
+
+def positive_int(
+  value: Any,
+  name: str,
+  caller: str | None = None,
+  *,
+  alternative: str = "",
+  maximum: int | None = None,
+) -> int:
+  """`value` as a Python int in ``[1, maximum]`` (NumPy integers accepted); bools, floats raise.
 
   `alternative` completes the message for arguments that take something else too, e.g.
   " or a callable gradient_step -> k".
@@ -30,6 +48,10 @@ def positive_int(value: Any, name: str, caller: str | None = None, *, alternativ
     )
   if value < 1:
     raise ValueError(f"{prefix}{name} must be a positive int, got {value}.")
+  if maximum is not None and value > maximum:
+    raise ValueError(
+      f"{prefix}{name} must be at most {maximum} (the int32 step counters' range), got {value}."
+    )
   return int(value)
 
 
@@ -41,17 +63,52 @@ def reduction(value: Any) -> Reduction:
   return value
 
 
-def accum_dtype(value: Any) -> jnp.dtype | None:
-  """The canonical accumulator dtype (None: each leaf's own dtype)."""
-  return None if value is None else jnp.dtype(value)
+def accum_dtype(value: Any, caller: str | None = None) -> jnp.dtype | None:
+  """The canonical accumulator dtype: floating or complex (None: each leaf's own dtype)."""
+  if value is None:
+    return None
+  prefix = f"{caller}: " if caller else ""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as e:
+    raise TypeError(f"{prefix}accum_dtype must be a floating dtype, got {value!r}.") from e
+  if not jnp.issubdtype(dtype, jnp.inexact):
+    raise TypeError(
+      f"{prefix}accum_dtype must be a floating (or complex) dtype, got {dtype}: an integer "
+      "or bool accumulator would truncate every gradient. Maybe you meant jnp.float32."
+    )
+  return dtype
+
+
+def flag(value: Any, name: str, caller: str) -> Any:
+  """A Python bool, or a boolean (or integer) scalar array, e.g. `force_emit`."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  try:
+    dtype, shape = (None, None) if value is None else (jnp.result_type(value), jnp.shape(value))
+  except TypeError:
+    dtype, shape = None, None
+  if dtype is None or shape != () or not (dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer)):
+    raise TypeError(
+      f"{caller}: {name} must be a bool or a boolean scalar array, got {value!r}"
+      + (f" (dtype {dtype}, shape {shape})." if dtype is not None else ".")
+    )
+  return value
 
 
 def weight(value: Any, caller: str) -> jax.Array | None:
-  """Validates a micro-batch weight: a real, non-negative scalar (checked when concrete)."""
+  """Validates a micro-batch weight: a real scalar; where concrete, non-negative and finite.
+
+  A host value (or any concrete one) must also be representable in float32, the dtype the
+  weights are summed in: 1e39 passes a float64 check and overflows to inf there. A traced value
+  is returned unchecked: see `valid_weight`.
+  """
   if value is None:
     return None
   try:
-    w = jnp.asarray(value)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore", RuntimeWarning)  # float32 overflow: reported below
+      w = jnp.asarray(value)
   except TypeError as e:
     raise TypeError(f"{caller}: weight must be a non-negative scalar, got {value!r}.") from e
   if w.ndim != 0:
@@ -63,13 +120,36 @@ def weight(value: Any, caller: str) -> jax.Array | None:
     w.dtype, jnp.complexfloating
   ):
     raise TypeError(f"{caller}: weight must be a real number, got dtype {w.dtype}.")
-  if isinstance(value, int | float | np.number | np.ndarray) and not isinstance(value, bool):
-    host = float(np.asarray(value))  # a host value: checkable even under jit
-  else:
-    try:
-      host = float(w)
-    except jax.errors.ConcretizationTypeError:
-      return w  # traced: checked by the caller's program, not here
+  host = _concrete(value, w)
+  if host is None:
+    return w  # traced: dropped or poisoned by the caller's program if invalid
   if not (0 <= host < float("inf")):  # also catches nan
     raise ValueError(f"{caller}: weight must be non-negative and finite, got {host}.")
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # the overflow we are testing for
+    if not np.isfinite(np.asarray(host, WEIGHT_DTYPE)):
+      raise ValueError(
+        f"{caller}: weight={host} is not representable in {np.dtype(WEIGHT_DTYPE).name}, the "
+        f"dtype weights are summed in (largest {np.finfo(WEIGHT_DTYPE).max:.4g}). Scale the "
+        "weights down: only their ratios matter for a mean."
+      )
   return w
+
+
+def _concrete(value: Any, w: jax.Array) -> float | None:
+  """The weight's value where it is known on the host (even under jit), else None."""
+  if isinstance(value, int | float | np.number | np.ndarray) and not isinstance(value, bool):
+    return float(np.asarray(value))
+  try:
+    return float(w)
+  except jax.errors.ConcretizationTypeError:
+    return None
+
+
+def valid_weight(w: jax.Array) -> jax.Array:
+  """A boolean scalar: the (traced) weight is non-negative and finite in float32.
+
+  One scalar comparison: cheap enough to run on every micro-step whatever `skip_nonfinite` says.
+  """
+  w = jnp.asarray(w).astype(WEIGHT_DTYPE)
+  return (w >= 0) & jnp.isfinite(w)

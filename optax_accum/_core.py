@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optax_accum import _checks
 from optax_accum._typing import DType, Reduction
 
 
@@ -28,26 +29,39 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def accum_dtype_for(x: Any, accum_dtype: DType | None) -> Any:
+def accum_dtype_for(x: Any, accum_dtype: DType | None, *, mean: bool = False) -> Any:
   """The dtype in which leaf `x` is accumulated.
 
-  Floating leaves use `accum_dtype` (their own dtype when it is None). Integer and bool leaves
-  (counts, e.g. "number of correct predictions") are summed exactly in their own dtype
-  widened to int32.
+  Floating and complex leaves: their own dtype when `accum_dtype` is None, else
+  ``promote_types(accum_dtype, leaf dtype)`` of the leaf's kind — never narrower than the leaf
+  (a float64 gradient stays float64), complex leaves complex (float32 asks for complex64, so
+  the imaginary part is kept), real leaves real. Integer and bool leaves (counts, e.g.
+  "number of correct predictions") are summed exactly in their own dtype widened to int32,
+  except when they are averaged (`mean`): a weighted mean of counts is accumulated as a float
+  (float32, or `accum_dtype`'s precision), so fractional weights are not truncated.
   """
   dtype = jnp.result_type(x)
   if jnp.issubdtype(dtype, jnp.inexact):
-    return dtype if accum_dtype is None else jnp.dtype(accum_dtype)
+    if accum_dtype is None:
+      return dtype
+    promoted = jnp.promote_types(accum_dtype, dtype)
+    if not jnp.issubdtype(dtype, jnp.complexfloating):
+      promoted = jnp.finfo(promoted).dtype  # a real leaf: the real dtype of that precision
+    return promoted
+  if mean:
+    return jnp.finfo(jnp.float32 if accum_dtype is None else accum_dtype).dtype
   return jnp.promote_types(dtype, jnp.int32)
 
 
-def zeros(tree: Any, accum_dtype: DType | None) -> Any:
+def zeros(tree: Any, accum_dtype: DType | None, *, mean: bool = False) -> Any:
   """A zero accumulator with `tree`'s structure and shapes, in the accumulator dtype.
 
-  `tree` may hold arrays or `jax.ShapeDtypeStruct`s; `None` leaves and empty subtrees stay
-  as they are (they carry no gradient).
+  `tree` may hold arrays, Python numbers or `jax.ShapeDtypeStruct`s; `None` leaves and empty
+  subtrees stay as they are (they carry no gradient). `mean`: see `accum_dtype_for`.
   """
-  return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(x, accum_dtype)), tree)
+  return jax.tree.map(
+    lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(x, accum_dtype, mean=mean)), tree
+  )
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -110,7 +124,9 @@ def add(
     sums: the accumulator (from `zeros`); its dtypes are kept.
     total: the accumulated weight, a float32 scalar.
     tree: the micro-batch's values (a gradient, or a function's outputs), same structure.
-    weight: this micro-batch's non-negative scalar weight; None means 1.
+    weight: this micro-batch's non-negative scalar weight; None means 1. A weight that is
+      negative, NaN or ±Inf (possible only when traced: host values are checked by
+      `_checks.weight`) drops the micro-batch, whatever `skip_nonfinite` says.
     skip_nonfinite: when True a micro-batch with any NaN/Inf in `tree` adds nothing, neither
       to `sums` nor to `total` (selected away, never multiplied by 0: ``0 * nan`` is nan).
     restart: an optional boolean scalar; where True, `sums` and `total` are treated as zero
@@ -122,28 +138,37 @@ def add(
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
     dropped.
   """
-  w = jnp.ones((), total.dtype) if weight is None else jnp.asarray(weight, total.dtype)
-  if skip_nonfinite:
-    keep = all_finite(tree)
-    w = jnp.where(keep, w, jnp.zeros_like(w))
-  else:
-    keep = jnp.asarray(True)
-
+  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite)
+  masked = skip_nonfinite or weight is not None
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
 
   def add_leaf(s, x):
     if restart is not None:
       s = jnp.where(restart, jnp.zeros_like(s), s)
-    x = x.astype(s.dtype)
+    x = jnp.asarray(x).astype(s.dtype)
     if weight is not None:
       x = x * w.astype(s.dtype)
-    if skip_nonfinite:
+    if masked:
       x = jnp.where(keep, x, jnp.zeros_like(x))
     return s + x
 
   sums = jax.tree.map(add_leaf, sums, tree)
   return sums, total + w, jnp.logical_not(keep)
+
+
+def _kept_weight(
+  tree: Any, weight: jax.Array | None, dtype: Any, skip_nonfinite: bool
+) -> tuple[jax.Array, jax.Array]:
+  """The micro-batch's weight (0 if dropped) and whether it is kept: its weight is valid (see
+  `_checks.valid_weight`) and, with `skip_nonfinite`, its values are finite."""
+  keep = all_finite(tree) if skip_nonfinite else jnp.asarray(True)
+  if weight is None:
+    w = jnp.ones((), dtype)
+  else:
+    keep = keep & _checks.valid_weight(weight)
+    w = jnp.asarray(weight).astype(dtype)
+  return jnp.where(keep, w, jnp.zeros_like(w)), keep
 
 
 def add_one(
@@ -157,11 +182,9 @@ def add_one(
   weight, 0 when the micro-batch is dropped, so a zero weight or a drop still empties the
   window.
   """
-  w = jnp.ones((), jnp.float32) if weight is None else weight.astype(jnp.float32)
-  keep = all_finite(tree) if skip_nonfinite else jnp.asarray(True)
-  total = jnp.where(keep, w, jnp.zeros_like(w))
+  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite)
   if weight is not None and reduction == "sum":
-    tree = jax.tree.map(lambda x: x * w.astype(x.dtype), tree)
+    tree = jax.tree.map(lambda x: x * total.astype(jnp.result_type(x)), tree)
   return tree, total, jnp.logical_not(keep)
 
 

@@ -4,7 +4,7 @@
 ``.memory_analysis()``, XLA's byte accounting. This module turns them into the facts the
 library's structure guards and benchmarks are about:
 
-* `computations` — the module split into computations of parsed `Instruction`\\ s;
+* `computations` — the module split into computations of parsed instructions;
 * `count_collectives`, `conditional_branches` — collectives per program, per loop body, per
   branch of a conditional (one all-reduce per update, none inside a loop);
 * `hlo_stats` — copies, conditionals, loops, fusions and collectives, each placed by how often

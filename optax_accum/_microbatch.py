@@ -96,6 +96,10 @@ class _Carry(NamedTuple):
   means: list[jax.Array]  # Σ wᵢ fᵢ of the "mean" leaves, in the accumulation dtype
   sums: list[jax.Array]  # Σ fᵢ of the "sum" leaves
   total: jax.Array  # Σ wᵢ; shape=(), dtype=jnp.float32
+  # How many weights were negative, NaN or ±Inf; shape=(), dtype=jnp.float32 (a count in the
+  # sums' dtype, so that it rides in their one all-reduce: XLA keeps collectives of different
+  # dtypes apart). The weighted means are NaN then: never a finite wrong number.
+  invalid: jax.Array
   last: list[jax.Array]  # the latest value of the "last" leaves
   rows: list[jax.Array]  # every micro-batch's "concat" values (zeros until written)
   state: tuple[Any, ...]  # the threaded state arguments
@@ -588,9 +592,12 @@ def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Ca
 
   return _Carry(
     # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
-    means=vary(vary(_core.zeros(means_t, opts.accum_dtype), means_t), [plan.total] * len(means_t)),
+    means=vary(
+      vary(_core.zeros(means_t, opts.accum_dtype, mean=True), means_t), [plan.total] * len(means_t)
+    ),
     sums=vary(_core.zeros(sums_t, opts.accum_dtype), sums_t),
     total=vary(jnp.zeros((), jnp.float32), plan.total),
+    invalid=vary(jnp.zeros((), jnp.float32), plan.total),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
     rows=[
       vary(_batch.zeros_split(t, opts.k, layout), t, int(layout == "strided"))
@@ -633,8 +640,9 @@ def _state_like(plan: _Outputs, state: tuple) -> tuple:
 def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _Outputs) -> _Carry:
   """Micro-batch ``i``: call `fun`, add its outputs to the sums, keep its state."""
   out, w = _call(opts, pos, carry.operands, carry.state, i)
-  leaves = plan.tree.flatten_up_to(out)
-  means, total, _ = _core.add(
+  leaves = [jnp.asarray(x) for x in plan.tree.flatten_up_to(out)]  # Python constants too
+  # With a weight, `add` drops a micro-batch whose weight is invalid; here it is remembered.
+  means, total, invalid = _core.add(
     carry.means, carry.total, plan.pick(leaves, "mean"), w, skip_nonfinite=False
   )
   # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
@@ -644,7 +652,9 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _Outputs) -
     for r, y, layout in zip(carry.rows, plan.pick(leaves, "concat"), plan.layouts, strict=True)
   ]
   state = _new_state(plan, leaves, carry.state)
-  new = _Carry(means, sums, total, plan.pick(leaves, "last"), rows, state, carry.operands)
+  invalid = carry.invalid + invalid.astype(jnp.float32)
+  last = plan.pick(leaves, "last")
+  new = _Carry(means, sums, total, invalid, last, rows, state, carry.operands)
   return _collectives.match_variance(new, carry)
 
 
@@ -660,9 +670,13 @@ def _new_state(plan: _Outputs, leaves: list[Any], state: tuple) -> tuple:
 
 def _finish(opts: _Options, plan: _Outputs, carry: _Carry) -> Any:
   """Once, after the loop: the sums and the weight in one all-reduce, then normalised."""
-  means, sums, total = _collectives.reduce((carry.means, carry.sums, carry.total), opts.axis_name)
+  reduced = _collectives.reduce(
+    (carry.means, carry.sums, carry.total, carry.invalid), opts.axis_name
+  )
+  means, sums, total, invalid = reduced
+  means = _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")
   values = {
-    "mean": _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean"),
+    "mean": [jnp.where(invalid > 0, jnp.full_like(m, jnp.nan), m) for m in means],
     "sum": _core.normalise(sums, total, plan.pick(plan.like, "sum"), "sum"),
     "last": carry.last,
     "concat": [_batch.unsplit(y) for y in carry.rows],

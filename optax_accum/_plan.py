@@ -84,6 +84,11 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
     (),
   )
   size = _batch.batch_size(_batch.resolve(pos, len(args), kwargs), args, kwargs)
+  if size == 0:
+    raise ValueError(
+      "plan_microbatches: the batch arguments are empty (batch size 0): there is no "
+      "micro-batch to plan. Pass the shapes of a real batch (arrays or jax.ShapeDtypeStruct)."
+    )
   n = options.get("num_real_microbatches")
   least = n if isinstance(n, int | np.integer) and not isinstance(n, bool) else 1
   if least > size:

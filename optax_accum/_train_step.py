@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optax_accum import _accumulate, _checks
@@ -90,7 +91,7 @@ class TrainStep:
         "TrainStep: every_k must be a positive int known on the host, got "
         f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
       )
-    every_k = _checks.positive_int(every_k, "every_k", "TrainStep")
+    every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
     self._cfg = _accumulate.make_config(
       inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=None
     )
@@ -121,7 +122,7 @@ class TrainStep:
     # Returning the gradients as the (donated) buffer's new value makes XLA compute them
     # straight into it: they stop being temporary memory.
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
-    weight = _accumulate.check_update(cfg, grads, state, weight, force_emit=False, emit=emit)
+    weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit)
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
     inner_state, applied = state.inner_state, False
     if emit:
@@ -156,6 +157,10 @@ class TrainStep:
     """One micro-step; `force_emit=True` (a Python bool) closes a short last window."""
     if not isinstance(force_emit, bool):
       raise TypeError(f"TrainStep: force_emit must be a Python bool, got {force_emit!r}.")
+    if isinstance(weight, int | float | np.number | np.ndarray):
+      # A host value is checked here, before dispatch (reading a device array back would make
+      # the host wait; a device weight that is invalid drops its micro-batch instead).
+      _checks.weight(weight, "TrainStep")
     if self._position is None or state is not self._last_state:
       # A state we did not produce (restored, or from `init` of another object): read its
       # window position once. Every other call is dispatched without waiting for the device.

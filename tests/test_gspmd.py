@@ -401,18 +401,7 @@ def test_data_by_model_mesh_microbatch_reduces_data_once_model_where_needed(axis
 
 @pytest.mark.parametrize(
   "axis_type",
-  [
-    AxisType.Auto,
-    pytest.param(
-      AxisType.Explicit,
-      marks=pytest.mark.xfail(
-        strict=True,
-        raises=TypeError,
-        reason="_accumulate.zeros_finish builds the empty window's zero updates without the "
-        "Explicit 'model' sharding: the emitting cond's branches differ inside the map",
-      ),
-    ),
-  ],
+  [AxisType.Auto, AxisType.Explicit],
 )
 def test_data_by_model_mesh_accumulate_recipe(axis_type):
   mesh = _mesh(axis_type, (4, 2), (AX, "model"))
