@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _batch, _checks, _collectives, _core
+from optax_accum import _batch, _checks, _collectives, _core, _gspmd
 from optax_accum._typing import OUT_REDUCTIONS, SPLITS, ArgNums, AxisName, DType, Split
 
 _HINTS = {
@@ -71,6 +71,8 @@ class _Options(NamedTuple):
   accum_dtype: jnp.dtype | None
   split: Split
   axis_name: AxisName | None
+  mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
+  bound_here: bool = False  # this call bound `axis_name` itself (no enclosing map did)
 
 
 class _Outputs(NamedTuple):
@@ -213,6 +215,7 @@ def microbatch(
   accum_dtype: DType | None = jnp.float32,
   split: Split = "strided",
   axis_name: AxisName | None = None,
+  mesh: Any = None,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -293,10 +296,19 @@ def microbatch(
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
       "contiguous" (consecutive blocks of ``B/k`` rows).
-    axis_name: inside `shard_map`/`pmap`, the mapped axis: "mean" and "sum" outputs (and the
-      weights) are reduced over it once, after the loop, to the global large-batch result.
-      The non-batch arguments are made device-varying first, so gradients taken inside `fun`
-      stay local (no collective in the loop). "concat" and "last" outputs stay per device.
+    axis_name: the data-parallel axis: "mean" and "sum" outputs (and the weights) are reduced
+      over it once, after the loop, to the global large-batch result. The non-batch arguments
+      are made device-varying first, so gradients taken inside `fun` stay local (no
+      collective in the loop). Inside `shard_map`/`pmap` (which bind the axis), "concat" and
+      "last" outputs stay per device. Under plain `jax.jit` with a mesh in effect
+      (`jax.set_mesh`, Auto or Explicit axes) or given as `mesh`, `microbatch` binds the axis
+      itself over that mesh axis only (`optax_accum.data_parallel`; other mesh axes stay
+      automatic): each device runs the micro-batches of its share of the batch, the outputs
+      are global ("concat" rows joined in the batch's order; a threaded state or "last"
+      output that differs per device is an error), and `microbatch_size` counts each
+      device's rows.
+    mesh: the mesh whose `axis_name` to bind under plain `jax.jit`; default: the one in
+      effect. Ignored inside a map that binds the axis.
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above.
@@ -344,13 +356,38 @@ def microbatch(
     accum_dtype=_checks.accum_dtype(accum_dtype),
     split=split,
     axis_name=axis_name,
+    mesh=mesh,
   )
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    return _run(opts, args, kwargs)
+    if axis_name is None or _collectives.is_bound(axis_name):
+      return _run(opts, args, kwargs)
+    return _bind(opts, args, kwargs)
 
   return wrapped
+
+
+def _bind(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+  """`axis_name` under plain `jax.jit`, bound here over the mesh (`_gspmd.bind`): each device
+  runs the micro-batches of its rows, and `_finish` reduces once, after the loop. "concat"
+  outputs come back joined across devices in the batch's order."""
+  pos = _batch.resolve(opts.positions, len(args), kwargs)
+  bound = _gspmd.bind(
+    functools.partial(_run_kw, opts._replace(bound_here=True)),
+    opts.axis_name,
+    batch_argnums=pos.batch,
+    batch_argnames=pos.names,
+    batch_axes=pos.axes,
+    mesh=opts.mesh,
+    varying="concat",
+    caller="microbatch",
+  )
+  return bound(*args, **kwargs)
+
+
+def _run_kw(opts: _Options, *args: Any, **kwargs: Any) -> Any:
+  return _run(opts, args, kwargs)
 
 
 def _run(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -668,8 +705,34 @@ def _new_state(plan: _Outputs, leaves: list[Any], state: tuple) -> tuple:
   return tuple(new)
 
 
+BOUND_VARIES = (
+  "microbatch: axis_name={axis!r} was bound over the mesh here (plain jax.jit), and {what} "
+  "differs per device: each device computed it from its own rows, so it has no single value "
+  "to return. Make it the same everywhere inside `fun` (e.g. `nn.BatchNorm(axis_name={axis!r})`"
+  " for batch statistics, or `jax.lax.pmean(x, {axis!r})`), use reduction 'mean'/'sum' for "
+  "it, or call microbatch inside your own `jax.shard_map` to keep per-device values."
+)
+
+
+def _check_bound_outputs(opts: _Options, plan: _Outputs, carry: _Carry) -> None:
+  """With the axis bound here, the threaded state and "last" outputs must be the same on every
+  device (outputs of a plain-jit function are global); "concat" rows are joined instead."""
+  if not opts.bound_here:
+    return
+  for i, s in enumerate(carry.state):
+    if any(_collectives.is_varying(x, opts.axis_name) for x in jax.tree.leaves(s)):
+      what = f"the threaded state (state_argnums entry {i})"
+      raise ValueError(BOUND_VARIES.format(axis=opts.axis_name, what=what))
+  lasts = [n for n, r in enumerate(plan.kinds) if r == "last"]
+  for n, x in zip(lasts, carry.last, strict=True):
+    if _collectives.is_varying(x, opts.axis_name):
+      what = f"output leaf {n} (reduction 'last')"
+      raise ValueError(BOUND_VARIES.format(axis=opts.axis_name, what=what))
+
+
 def _finish(opts: _Options, plan: _Outputs, carry: _Carry) -> Any:
   """Once, after the loop: the sums and the weight in one all-reduce, then normalised."""
+  _check_bound_outputs(opts, plan, carry)
   reduced = _collectives.reduce(
     (carry.means, carry.sums, carry.total, carry.invalid), opts.axis_name
   )

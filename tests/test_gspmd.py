@@ -9,6 +9,7 @@ devices are conftest's host CPU devices; meshes are made with Auto and Explicit 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -68,11 +69,12 @@ def _large_batch_grad(params, batch):
 
 
 def _bound_microbatch(k, **kw):
-  """The unit under test: `microbatch(axis_name=AX)` with `data_parallel` binding the axis."""
+  """The unit under test: `microbatch(axis_name=AX)` under plain jit, which binds the axis over
+  the mesh itself; with `data_parallel` options (`sync=`), bound by `data_parallel` instead."""
   step = microbatch(
     jax.value_and_grad(ref.mlp_loss), k, batch_argnums=1, weight_fn=_weight, axis_name=AX
   )
-  return data_parallel(step, AX, batch_argnums=1, **kw)
+  return data_parallel(step, AX, batch_argnums=1, **kw) if kw else step
 
 
 def _array_reductions(text: str) -> dict[str, int]:
@@ -153,9 +155,7 @@ def test_microbatch_concat_outputs_come_back_in_global_order():
     axis_name=AX,
   )
   with jax.set_mesh(_mesh(AxisType.Explicit)):
-    loss, predictions = jax.jit(data_parallel(step, AX, batch_argnums=1, varying="concat"))(
-      params, batch
-    )
+    loss, predictions = jax.jit(step)(params, batch)
   chex.assert_trees_all_close(
     (loss, predictions), (ref.mlp_loss(params, batch), ref.mlp_apply(params, batch["x"])), **ref.TOL
   )
@@ -181,7 +181,7 @@ def test_keyword_batch_on_a_sequence_major_axis(axis_type):
   )
   params = ref.mlp_params(0, (3, 8, 1))
   with jax.set_mesh(_mesh(axis_type)):
-    f = jax.jit(data_parallel(step, AX, batch_argnames="batch", batch_axes=1))
+    f = jax.jit(step)
     text = f.lower(params, batch=batch).compile().as_text()
     got = f(params, batch=batch)
   chex.assert_trees_all_close(got, jax.value_and_grad(loss)(params, batch=batch), **ref.TOL)
@@ -210,12 +210,53 @@ def test_flax_linen_model_unchanged(axis_type):
 
   step = microbatch(jax.value_and_grad(loss), 4, weight_fn=_weight, axis_name=AX)
   with jax.set_mesh(_mesh(axis_type)):
-    f = jax.jit(data_parallel(step, AX, batch_argnums=1))
+    f = jax.jit(step)
     text = f.lower(params, batch).compile().as_text()
     got = f(params, batch)
   chex.assert_trees_all_close(got, jax.value_and_grad(loss)(params, batch), **ref.TOL)
   assert _array_reductions(text) == {"all": 1, "loop": 0}
   assert count_collectives(text, "all-reduce", where="loop") == 0
+
+
+def test_microbatch_binds_over_an_explicit_mesh_argument():
+  """`mesh=` instead of the mesh in effect; no mesh at all is the clear unbound-axis error."""
+  params = ref.mlp_params(0, SIZES)
+  batch = _batch(3, D * 2 * ROWS)
+  mesh = _mesh(AxisType.Explicit)
+  step = microbatch(jax.value_and_grad(ref.mlp_loss), 2, weight_fn=_weight, axis_name=AX, mesh=mesh)
+  got = jax.jit(step)(params, batch)
+  chex.assert_trees_all_close(got, _large_batch_grad(params, batch), **ref.TOL)
+  unbound = microbatch(jax.value_and_grad(ref.mlp_loss), 2, axis_name=AX)
+  with pytest.raises(ValueError, match="(?s)microbatch: axis_name='data' is not bound here"):
+    jax.jit(unbound)(params, batch)
+
+
+def test_microbatch_bound_here_rejects_per_device_state_and_last_outputs():
+  """Outputs of a plain-jit function are global: a threaded state (BatchNorm statistics of each
+  device's rows) or a "last" value that differs per device has none; made the same on every
+  device (`pmean`, as `nn.BatchNorm(axis_name=...)` does), it is fine."""
+  x = np.arange(D * 4 * 2, dtype=np.float32).reshape(-1, 2)
+
+  def running_mean(stats, x, sync):
+    mean = jnp.mean(x, axis=0)
+    mean = lax.pmean(mean, AX) if sync else mean
+    return jnp.sum(mean), 0.9 * stats + 0.1 * mean
+
+  with jax.set_mesh(_mesh(AxisType.Explicit)):
+    for sync in (False, True):
+      step = microbatch(
+        functools.partial(running_mean, sync=sync), 4, batch_argnums=1, state_argnums=0,
+        state_out=lambda out: out[1], axis_name=AX,
+      )  # fmt: skip
+      if sync:
+        _, stats = jax.jit(step)(np.zeros(2, np.float32), x)
+        assert stats.shape == (2,)
+      else:
+        with pytest.raises(ValueError, match=r"the threaded state .* differs per device"):
+          jax.jit(step)(np.zeros(2, np.float32), x)
+    last = microbatch(lambda x: jnp.sum(x), 4, batch_argnums=0, reduction="last", axis_name=AX)
+    with pytest.raises(ValueError, match=r"output leaf 0 \(reduction 'last'\) differs per device"):
+      jax.jit(last)(x)
 
 
 # ----------------------------------------------------------------------------------------------
