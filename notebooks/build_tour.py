@@ -22,8 +22,9 @@ NOTEBOOK = HERE / "tour.ipynb"
 CELLS: list[tuple[str, str]] = [
   (
     "md",
-    """**Running this notebook.** From a clone of the repository (there is no release on PyPI
-yet):
+    """# Gradient accumulation in JAX with `optax_accum`: a tour
+
+**Running this notebook.** From a clone of the repository (there is no release on PyPI yet):
 
 ```bash
 pip install -e ".[examples]" jupyterlab
@@ -36,9 +37,7 @@ the file in any editor that runs notebooks). It runs on a CPU in about a minute.
   ),
   (
     "md",
-    """# Gradient accumulation in JAX with `optax_accum`: a tour
-
-You have a loss, a model and an optax optimizer, and you want to train with a batch of
+    """You have a loss, a model and an optax optimizer, and you want to train with a batch of
 `k·b` examples on a device that only holds `b` at a time. `optax_accum` gives you the
 update of the large batch — exactly, up to float32 rounding — with the memory of one
 micro-batch, in one of two forms:
@@ -50,8 +49,9 @@ micro-batch, in one of two forms:
    (typically `jax.value_and_grad(loss)`) on `k` slices of the batch under one `lax.scan`.
 
 This notebook trains a small MLP on scikit-learn's handwritten digits (they ship with the
-package: no download), checks both forms against the large batch, shows why token counts
-must weight the average, and measures the memory/speed trade-off.""",
+package: no download), checks both forms and the fast path `TrainStep` against the large
+batch, shows why token counts must weight the average, measures the memory/speed trade-off,
+and lets `plan_microbatches` choose `k` for a memory budget.""",
   ),
   (
     "code",
@@ -70,7 +70,8 @@ x_all, y_all = load_digits(return_X_y=True)
 x_all = (x_all / 16.0).astype(np.float32)
 y_all = y_all.astype(np.int32)
 n_classes = len(np.unique(y_all))
-print(f"{len(x_all)} images of 8x8 pixels, {n_classes} classes, jax {jax.__version__}")""",
+print(f"{len(x_all)} images of 8x8 pixels, {n_classes} classes")
+print(f"jax {jax.__version__}, optax {optax.__version__}")""",
   ),
   (
     "md",
@@ -103,7 +104,8 @@ grad_fn = jax.value_and_grad(loss_fn)
 
 
 def temp_bytes(fn, *args):
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 sizes = [64, 128, 256, 512, 1024]
@@ -160,21 +162,25 @@ params, state, acc_losses = params0, tx.init(params0), []
 for idx in batches:
     window = []
     for i in range(K):
-        params, state, loss = step(params, state, x_all[idx[i::K]], y_all[idx[i::K]])
+        x, y = x_all[idx[i::K]], y_all[idx[i::K]]
+        params, state, loss = step(params, state, x, y)
         window.append(float(loss))
     acc_losses.append(np.mean(window))
 params_acc = params
 
 
 def max_diff(a, b):
-    return max(float(jnp.abs(u - v).max()) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    return max(float(jnp.abs(u - v).max()) for u, v in pairs)
 
 
-# Adam divides by sqrt(v), which amplifies float32 rounding over 30 steps: 1e-5, not 1e-6.
+# Adam divides by sqrt(v), which amplifies float32 rounding over 30 steps:
+# the tolerance is 1e-5, not 1e-6.
 TOL = 1e-5
+diff = max_diff(params_acc, params_large)
 print(f"optimizer steps taken by accumulate: {int(state.gradient_step)}")
-print(f"max |param difference| vs the large batch: {max_diff(params_acc, params_large):.2e}")
-assert max_diff(params_acc, params_large) < TOL""",
+print(f"max |param difference| vs the large batch: {diff:.2e}")
+assert diff < TOL""",
   ),
   (
     "md",
@@ -194,14 +200,16 @@ for idx in batches:
     params, state, loss = step(params, state, x_all[idx], y_all[idx])
     mb_losses.append(float(loss))
 params_mb = params
-print(f"max |param difference| vs the large batch: {max_diff(params_mb, params_large):.2e}")
-assert max_diff(params_mb, params_large) < TOL
+diff = max_diff(params_mb, params_large)
+print(f"max |param difference| vs the large batch: {diff:.2e}")
+assert diff < TOL
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(large_losses, lw=4, alpha=0.4, label="large batch (256)")
 ax.plot(acc_losses, "--", label=f"accumulate ({K} x {BATCH // K})")
 ax.plot(mb_losses, ":", lw=2, label=f"microbatch ({K} x {BATCH // K})")
-ax.set(xlabel="optimizer step", ylabel="training loss", title="Three ways, one curve")
+ax.set(xlabel="optimizer step", ylabel="training loss")
+ax.set_title("Three ways, one curve")
 ax.grid(alpha=0.3)
 ax.legend()
 plt.show()""",
@@ -227,11 +235,13 @@ params = jax.tree.map(jnp.copy, params0)  # the step donates what it is given
 state = step.init(params)
 for idx in batches:
     for i in range(K):
-        params, state, loss = step(params, state, x_all[idx[i::K]], y_all[idx[i::K]])
+        x, y = x_all[idx[i::K]], y_all[idx[i::K]]
+        params, state, loss = step(params, state, x, y)
 params_ts = params
 print(f"optimizer steps: {int(state.gradient_step)}")
-print(f"max |param difference| vs the large batch: {max_diff(params_ts, params_large):.2e}")
-assert max_diff(params_ts, params_large) < TOL""",
+diff = max_diff(params_ts, params_large)
+print(f"max |param difference| vs the large batch: {diff:.2e}")
+assert diff < TOL""",
   ),
   (
     "md",
@@ -248,9 +258,10 @@ micro-batches of 4 sequences, one nearly full and one mostly padding.""",
     "code",
     """key = jax.random.key(1)
 kx, ky, kw = jax.random.split(key, 3)
-tokens = jax.random.normal(kx, (8, 16, 4))            # 8 sequences of 16 tokens, 4 features
+# 8 sequences of 16 tokens, 4 features each
+tokens = jax.random.normal(kx, (8, 16, 4))
 targets = jax.random.normal(ky, (8, 16))
-lengths = jnp.array([16, 15, 16, 14, 2, 3, 1, 2])    # real tokens per sequence
+lengths = jnp.array([16, 15, 16, 14, 2, 3, 1, 2])  # real tokens per sequence
 mask = (jnp.arange(16) < lengths[:, None]).astype(jnp.float32)
 batch = {"x": tokens, "y": targets, "mask": mask}
 w = jax.random.normal(kw, (4,))
@@ -258,11 +269,15 @@ w = jax.random.normal(kw, (4,))
 
 def token_loss(w, batch):
     err = (batch["x"] @ w - batch["y"]) ** 2
-    return (err * batch["mask"]).sum() / batch["mask"].sum()   # mean over real tokens
+    # the mean over real tokens
+    return (err * batch["mask"]).sum() / batch["mask"].sum()
 
 
 full_loss, full_grad = jax.value_and_grad(token_loss)(w, batch)
-halves = [jax.tree.map(lambda a: a[:4], batch), jax.tree.map(lambda a: a[4:], batch)]
+halves = [
+    jax.tree.map(lambda a: a[:4], batch),
+    jax.tree.map(lambda a: a[4:], batch),
+]
 micro = [jax.value_and_grad(token_loss)(w, h) for h in halves]
 counts = [float(h["mask"].sum()) for h in halves]
 for i, ((l, _), n) in enumerate(zip(micro, counts)):
@@ -281,7 +296,8 @@ emitted gradient is `Σ wᵢ gᵢ / Σ wᵢ`: the large batch's, exactly.""",
   ),
   (
     "code",
-    """# accumulate with weights: one update per micro-batch, SGD(1) so the update is -gradient.
+    """# accumulate with weights: one update per micro-batch;
+# SGD(1), so the update is minus the gradient.
 tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
 state = tx.init(w)
 for h in halves:
@@ -289,17 +305,24 @@ for h in halves:
     update, state = tx.update(g, state, w, weight=h["mask"].sum())
 
 # microbatch with weight_fn (contiguous split: the same two halves as above).
+token_grad = jax.value_and_grad(token_loss)
 mb = optax_accum.microbatch(
-    jax.value_and_grad(token_loss), 2, weight_fn=lambda w, b: b["mask"].sum(), split="contiguous"
+    token_grad,
+    2,
+    weight_fn=lambda w, b: b["mask"].sum(),
+    split="contiguous",
 )
 mb_loss, mb_grad = mb(w, batch)
-unweighted = optax_accum.microbatch(jax.value_and_grad(token_loss), 2, split="contiguous")
+unweighted = optax_accum.microbatch(token_grad, 2, split="contiguous")
 uw_loss, uw_grad = unweighted(w, batch)
 
 print("gradient error vs the large batch (max |Δ|):")
-print(f"  accumulate, weight=tokens   {float(jnp.abs(-update - full_grad).max()):.1e}")
-print(f"  microbatch, weight_fn       {float(jnp.abs(mb_grad - full_grad).max()):.1e}")
-print(f"  microbatch, unweighted      {float(jnp.abs(uw_grad - full_grad).max()):.1e}")
+for name, grad in [
+    ("accumulate, weight=tokens", -update),
+    ("microbatch, weight_fn", mb_grad),
+    ("microbatch, unweighted", uw_grad),
+]:
+    print(f"  {name:<26}  {float(jnp.abs(grad - full_grad).max()):.1e}")
 assert jnp.allclose(-update, full_grad, rtol=1e-5, atol=1e-6)
 assert jnp.allclose(mb_grad, full_grad, rtol=1e-5, atol=1e-6)""",
   ),
@@ -331,19 +354,22 @@ for k in ks:
 
 fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
 a1.plot(ks, temp_mib, "o-")
-a1.set(xscale="log", xlabel="micro-batches k (batch 1024)", ylabel="temporary memory (MiB)",
-       title="Temporary memory: activations / k")
+a1.set(xscale="log", xlabel="micro-batches k (batch 1024)")
+a1.set(ylabel="temporary memory (MiB)")
+a1.set_title("Temporary memory: activations / k")
 a1.set_xticks(ks, [str(k) for k in ks])
 a2.plot(ks, step_ms, "s-", color="C1")
-a2.set(xscale="log", xlabel="micro-batches k (batch 1024)", ylabel="time per step (ms, best of 7)",
-       title="Time per step on this CPU")
+a2.set(xscale="log", xlabel="micro-batches k (batch 1024)")
+a2.set(ylabel="time per step (ms, best of 7)")
+a2.set_title("Time per step on this CPU")
 a2.set_xticks(ks, [str(k) for k in ks])
 for a in (a1, a2):
     a.grid(alpha=0.3)
 fig.tight_layout()
 plt.show()
 for k, m, t in zip(ks, temp_mib, step_ms):
-    print(f"k={k:>3} (micro-batch {1024 // k:>4}): {m:6.2f} MiB temporary, {t:6.2f} ms/step")""",
+    b = 1024 // k
+    print(f"k={k:>3} (micro-batch {b:>4}): {m:6.2f} MiB, {t:6.2f} ms/step")""",
   ),
   (
     "md",
@@ -367,11 +393,13 @@ plan = optax_accum.plan_microbatches(
 )
 print(plan)
 k = plan.num_microbatches
-value, grads = jax.jit(optax_accum.microbatch(grad_fn, k, batch_argnums=(1, 2)))(params0, xb, yb)
-ref_value, ref_grads = grad_fn(params0, xb, yb)
-print(f"k={k}: loss {float(value):.6f} (large batch {float(ref_value):.6f}), "
-      f"max |gradient difference| {max_diff(grads, ref_grads):.1e}")
-assert max_diff(grads, ref_grads) < 1e-6 and abs(float(value - ref_value)) < 1e-6""",
+planned = jax.jit(optax_accum.microbatch(grad_fn, k, batch_argnums=(1, 2)))
+value, grads = planned(params0, xb, yb)
+ref_value, ref_grads = grad_fn(params0, xb, yb)  # the large batch, directly
+diff = max_diff(grads, ref_grads)
+print(f"k={k}: loss {float(value):.6f} (large batch {float(ref_value):.6f})")
+print(f"max |gradient difference| {diff:.1e}")
+assert diff < 1e-6 and abs(float(value - ref_value)) < 1e-6""",
   ),
   (
     "md",
