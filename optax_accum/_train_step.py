@@ -15,6 +15,7 @@ and keeps the window position on the host, so dispatch never waits for the devic
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -22,11 +23,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _checks
-from optax_accum._typing import DType, Reduction
+from optax_accum import _accumulate, _checks, _collectives, _gspmd
+from optax_accum._sharding import state_partition_specs
+from optax_accum._typing import AxisName, DType, Reduction
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+
+
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
 class TrainStep:
@@ -51,7 +60,21 @@ class TrainStep:
       default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap
       threshold (32 MiB) with fresh pages on every call, so there it saves thousands of page
       faults per step; GPU and TPU allocators cache their memory, so there it would only hold
-      memory between steps. The buffer lives in this object, not in the optimizer state.
+      memory between steps. The buffer lives in this object, not in the optimizer state. Not
+      with `axis_name` (the gradients are per device there).
+    weight_fn: ``weight_fn(*args)`` (the micro-batch arguments) returns the micro-batch's
+      weight, e.g. its number of real tokens, computed inside the program; with `axis_name`,
+      each device's weight of its own rows, which is what a token-weighted mean across devices
+      needs. Instead of passing ``weight=`` to each call.
+    axis_name: the data-parallel mesh axis, under plain `jax.jit` with a mesh in effect
+      (`jax.set_mesh`) or given as `mesh`: each device takes its share of every micro-batch
+      (every array of `args` is split along axis 0), keeps its gradients local and adds them
+      to its own partial sums; the emitting program all-reduces the sums once per window.
+      `init` places the per-device accumulator (`state_partition_specs`). The returned loss
+      (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
+      are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
+      reduces every micro-step instead, into an accumulator sharded like the parameters.
+    mesh: the mesh whose `axis_name` to bind; default the one in effect.
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
@@ -59,8 +82,9 @@ class TrainStep:
   checkpoints are interchangeable.
 
   Raises:
-    TypeError, ValueError: for a bad `every_k` (which must be a static int here), `reduction`
-      or `accum_dtype`.
+    TypeError, ValueError: for a bad `every_k` (which must be a static int here), `reduction`,
+      `accum_dtype` or `weight_fn`; at call time, for a bad host `weight` (before anything is
+      dispatched), a state made for another `every_k`, or, with `axis_name`, no mesh.
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda p, x: jnp.mean((x * p) ** 2)
@@ -85,6 +109,9 @@ class TrainStep:
     accum_dtype: DType | None = jnp.float32,
     skip_nonfinite: bool = True,
     grad_buffer: bool | None = None,
+    weight_fn: Callable[..., Any] | None = None,
+    axis_name: AxisName | None = None,
+    mesh: Any = None,
   ):
     if callable(every_k):
       raise TypeError(
@@ -92,36 +119,120 @@ class TrainStep:
         f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
       )
     every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
+    if weight_fn is not None and not callable(weight_fn):
+      raise TypeError(f"TrainStep: weight_fn must be callable or None, got {weight_fn!r}.")
+    if grad_buffer and axis_name is not None:
+      raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
     self._cfg = _accumulate.make_config(
-      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=None
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=axis_name
     )
     self.every_k = every_k
     self.tx = _accumulate.transformation(self._cfg)
     self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:
-      grad_buffer = jax.default_backend() == "cpu"
+      grad_buffer = jax.default_backend() == "cpu" and axis_name is None
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
-    donate_argnums = (0, 1, 2) if donate else (2,)
-    self._programs = {
-      emit: jax.jit(
-        self._step, static_argnames="emit", donate_argnums=donate_argnums, keep_unused=True
-      )
-      for emit in (False, True)
-    }
+    self._donate_argnums = (0, 1, 2) if donate else (2,)
+    self._programs = self._jit()
+    self._pinned = False  # with axis_name: the programs' output shardings are set (`_pin`)
     self._position: int | None = None  # micro-steps taken in the open window
     self._last_state: Any = None
 
+  def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
+    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    return {
+      emit: jax.jit(
+        self._step,
+        static_argnames="emit",
+        donate_argnums=self._donate_argnums,
+        keep_unused=True,
+        **kw,
+      )
+      for emit in (False, True)
+    }
+
+  def _binds_here(self) -> bool:
+    """With `axis_name` under plain jit: the programs bind the axis themselves."""
+    axis = self._cfg.axis_name
+    return axis is not None and not _collectives.is_bound(axis)
+
+  def _state_shardings(self, params: Any) -> tuple[Any, Any]:
+    """The parameters' shardings and the state's (`state_partition_specs`)."""
+    shardings = self._shardings(params)
+    axis = self._cfg.axis_name
+    return shardings, state_partition_specs(self.tx, shardings, axis, gathered=True)
+
+  def _pin(self, params: Any) -> None:
+    """Pins the programs' output shardings to the parameters' own and the state's: the
+    emitting program updates replicated (gathered) parameters on every device, and FSDP
+    parameters and their optimizer state must leave it sharded as they came in."""
+    if self._pinned or not self._binds_here():
+      return
+    shardings, specs = self._state_shardings(params)
+    rep = P() if self._mesh is None else NamedSharding(self._mesh, P())
+    self._programs = self._jit(out_shardings=(shardings, specs, _NO_BUFFER, rep))
+    self._pinned = True
+
   def init(self, params: Any) -> _accumulate.AccumulateState:
-    """The initial `AccumulateState` for `params`."""
+    """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
+    accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
-    return self.tx.init(params)
+    if not self._binds_here():
+      return self.tx.init(params)
+    self._pin(params)
+    _, specs = self._state_shardings(params)
+    init = _gspmd.bind(self.tx.init, self._cfg.axis_name, mesh=self._mesh, caller="TrainStep")
+    return jax.jit(init, out_shardings=specs)(params)
+
+  def _shardings(self, params: Any) -> Any:
+    """Each parameter's sharding: its own on the mesh, else replicated."""
+    mesh = _gspmd.find_mesh(self._cfg.axis_name, self._mesh, "TrainStep")
+    named = lambda s: s if isinstance(s, NamedSharding) else None
+    specs = jax.tree.map(lambda p: named(getattr(p, "sharding", None)) or P(), params)
+    if self._mesh is not None:
+      return jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, s),
+                          specs, is_leaf=lambda s: isinstance(s, P))  # fmt: skip
+    return specs
 
   def _step(self, params, state, grad_buffer, args, weight, *, emit: bool):
+    axis = self._cfg.axis_name
+    if axis is None or _collectives.is_bound(axis):
+      return self._micro_step(params, state, grad_buffer, args, weight, emit=emit)
+    # Data parallel under plain jit: the micro-step runs per device (`_gspmd.bind`). The
+    # accumulating program leaves the inner state and the parameters outside the bound region:
+    # it only reads the parameters, and an FSDP-sharded inner state would be gathered for
+    # nothing on every micro-step.
+    run = functools.partial(self._bound_step, emit=emit)
+    bound = _gspmd.bind(run, axis, batch_argnums=2, mesh=self._mesh, caller="TrainStep")
+    inside = state if emit else state._replace(inner_state=None)
+    new_params, new_state, value = bound(params, inside, args, weight)
+    if emit:
+      params, state = new_params, new_state
+    else:
+      state = new_state._replace(inner_state=state.inner_state)
+    return params, state, grad_buffer, value
+
+  def _bound_step(self, params, state, args, weight, *, emit: bool):
+    axis = self._cfg.axis_name
+    local = _collectives.to_varying(params, axis)  # per-device gradients: no all-reduce here
+    new_params, state, _, value = self._micro_step(
+      local, state, _NO_BUFFER, args, weight, emit=emit, replicated=params
+    )
+    value = jax.tree.map(lambda x: lax.pmean(x, axis) if _is_float(x) else x, value)
+    return (new_params if emit else None), state, value
+
+  def _micro_step(self, params, state, grad_buffer, args, weight, *, emit: bool, replicated=None):
+    """grad → add → (emit: close_window, apply) → advance. With data parallelism `params` are
+    the device-varying view to differentiate, `replicated` the parameters to update."""
     cfg = self._cfg
     value, grads = self._grad(params, *args)
+    params = params if replicated is None else replicated
     # Returning the gradients as the (donated) buffer's new value makes XLA compute them
     # straight into it: they stop being temporary memory.
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
+    if self._weight_fn is not None:
+      weight = self._weight_fn(*args)
     weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit)
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
     inner_state, applied = state.inner_state, False
@@ -157,6 +268,8 @@ class TrainStep:
     """One micro-step; `force_emit=True` (a Python bool) closes a short last window."""
     if not isinstance(force_emit, bool):
       raise TypeError(f"TrainStep: force_emit must be a Python bool, got {force_emit!r}.")
+    if weight is not None and self._weight_fn is not None:
+      raise TypeError("TrainStep: pass weight= or give weight_fn, not both.")
     if isinstance(weight, int | float | np.number | np.ndarray):
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
@@ -166,6 +279,7 @@ class TrainStep:
       # window position once. Every other call is dispatched without waiting for the device.
       self._position = int(jax.device_get(state.mini_step))
     emit = force_emit or self._position + 1 >= self.every_k
+    self._pin(params)
     program = self._programs[emit]
     params, state, self._grad_buffer, value = program(
       params, state, self._buffer(params, args), args, weight, emit=emit
@@ -176,6 +290,7 @@ class TrainStep:
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
+    self._pin(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)

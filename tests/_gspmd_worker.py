@@ -1,10 +1,14 @@
 """One process of the two-process plain-`jax.jit` test (and its one-process reference, `train`).
 
 Run by `tests/test_gspmd.py` through `optax_accum.launch`:
-``python tests/_gspmd_worker.py OUT_DIR``. The train step is the user's own jitted step under
-plain `jax.jit` with the mesh set (no hand-written `shard_map`): `accumulate(axis_name="data")`
-with `optax_accum.data_parallel` binding the data axis. Each process writes the parameters it
-ends with to ``OUT_DIR/params_<process index>.npz``.
+``python tests/_gspmd_worker.py OUT_DIR FRONT``. Plain `jax.jit` with the mesh set (no
+hand-written `shard_map`), one of two front ends (FRONT):
+
+* ``recipe`` — the user's own jitted step: `accumulate(axis_name="data")` with
+  `optax_accum.data_parallel` binding the data axis;
+* ``train_step`` — `TrainStep(..., axis_name="data", weight_fn=...)`, which binds it itself.
+
+Each process writes the parameters it ends with to ``OUT_DIR/params_<process index>.npz``.
 """
 
 import os
@@ -17,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 WINDOWS, K, ROWS = 2, 3, 2  # windows, micro-steps per window, rows per device per micro-step
 
 
-def train(devices=None):
+def train(devices=None, front="recipe"):
   """Data-parallel training over `devices` (default: every process's) under plain jit."""
   import _reference as ref  # noqa: PLC0415
   import jax  # noqa: PLC0415
@@ -48,6 +52,17 @@ def train(devices=None):
     updates, state = tx.update(grads, state, params, weight=ref.token_count(batch))
     return optax.apply_updates(params, updates), state
 
+  if front == "train_step":
+    with jax.set_mesh(mesh):
+      helper = optax_accum.TrainStep(
+        ref.mlp_loss, optax.adam(0.05), K, axis_name="data", weight_fn=ref.token_count
+      )
+      params = ref.shard(params, mesh, P())
+      state = helper.init(params)
+      for batch in batches:
+        params, state, _ = helper(params, state, ref.shard(batch, mesh, P("data")))
+    return {k: np.asarray(v.addressable_data(0)) for k, v in params.items()}
+
   with jax.set_mesh(mesh):
     init = jax.jit(optax_accum.data_parallel(tx.init, "data"), out_shardings=state_shardings)
     step = jax.jit(
@@ -67,5 +82,5 @@ if __name__ == "__main__":
   launch.initialize()
   import jax
 
-  params = train()
+  params = train(front=sys.argv[2])
   np.savez(f"{sys.argv[1]}/params_{jax.process_index()}.npz", **params)

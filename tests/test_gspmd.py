@@ -667,6 +667,74 @@ def test_data_parallel_varying_concat_joins_devices_along_the_leading_axis():
 
 
 # ----------------------------------------------------------------------------------------------
+# TrainStep(axis_name=...) under plain jit.
+
+
+def _train_step_windows(step, params, micro):
+  state = step.init(params)
+  for b in micro:
+    params, state, value = step(params, state, b)
+  return params, state, value
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_train_step_data_parallel_reduces_once_per_window_and_matches_large_batch(axis_type, k):
+  """Token-weighted across devices (`weight_fn` on each device's rows): the accumulating program
+  has no gradient all-reduce, the emitting one one; two windows equal two large-batch steps."""
+  params = ref.mlp_params(0, SIZES)
+  micro = [_batch(40 + i, D * ROWS) for i in range(2 * k)]
+  mesh = _mesh(axis_type)
+  with jax.set_mesh(mesh):
+    step = optax_accum.TrainStep(
+      ref.mlp_loss, ref.MOMENTUM, k, axis_name=AX, weight_fn=ref.token_count
+    )
+    state = step.init(params)
+    if k > 1:  # one partial sum per device (every_k=1 keeps none)
+      assert state.acc_grads["w0"].shape == (D, *params["w0"].shape)
+    for emit in (False, True) if k > 1 else (True,):
+      text = step.lower(params, state, micro[0], emit=emit).compile().as_text()
+      assert _array_reductions(text) == {"all": int(emit), "loop": 0}, emit
+    got, state, _ = _train_step_windows(step, params, micro)
+  want, _ = ref.run_steps(ref.MOMENTUM, params, ref.mlp_loss, ref.windows(micro, k))
+  chex.assert_trees_all_close(jax.device_get(got), want, **ref.TOL)
+  assert int(state.gradient_step) == 2
+
+
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_train_step_fsdp_keeps_the_parameters_sharded(axis_type):
+  """Parameters (and Adam's moments) sharded over the data axis: gathered inside, a full-size
+  accumulator per device, and they leave every program sharded as they came in."""
+  params = ref.mlp_params(0, SIZES)
+  micro = [_batch(60 + i, D * ROWS) for i in range(4)]
+  mesh = _mesh(axis_type)
+  specs = {n: P(*([None] * (x.ndim - 1)), AX) if x.shape[-1] % D == 0 else P()
+           for n, x in params.items()}  # fmt: skip
+  with jax.set_mesh(mesh):
+    sharded = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in params.items()}
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 2, axis_name=AX, weight_fn=ref.token_count)
+    got, state, _ = _train_step_windows(step, sharded, micro)
+    for n, x in got.items():
+      assert x.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), x.ndim), n
+      mu = state.inner_state[0].mu[n]
+      assert mu.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), mu.ndim), n
+  want, _ = ref.run_steps(ref.ADAM, params, ref.mlp_loss, ref.windows(micro, 2))
+  chex.assert_trees_all_close(jax.device_get(got), want, **ADAM_TOL)
+
+
+def test_train_step_axis_name_errors():
+  params = ref.mlp_params(0, SIZES)
+  step = optax_accum.TrainStep(ref.mlp_loss, ref.SGD, 2, axis_name=AX)
+  with pytest.raises(ValueError, match="(?s)TrainStep: axis_name='data' is not bound here"):
+    step.init(params)
+  with pytest.raises(ValueError, match="grad_buffer=True needs axis_name=None"):
+    optax_accum.TrainStep(ref.mlp_loss, ref.SGD, 2, axis_name=AX, grad_buffer=True)
+  both = optax_accum.TrainStep(ref.mlp_loss, ref.SGD, 2, weight_fn=ref.token_count)
+  with pytest.raises(TypeError, match="pass weight= or give weight_fn, not both"):
+    both(params, both.init(params), _batch(1, D * ROWS), weight=1.0)
+
+
+# ----------------------------------------------------------------------------------------------
 # Two processes.
 
 WORKER = os.path.join(os.path.dirname(__file__), "_gspmd_worker.py")
@@ -677,9 +745,10 @@ from test_multihost import needs_loopback_hostname  # noqa: E402
 
 @pytest.mark.slow
 @needs_loopback_hostname
-def test_two_processes_plain_jit_train_like_one(tmp_path):
+@pytest.mark.parametrize("front", ["recipe", "train_step"])
+def test_two_processes_plain_jit_train_like_one(tmp_path, front):
   codes = launch.launch(
-    [sys.executable, WORKER, str(tmp_path)],
+    [sys.executable, WORKER, str(tmp_path), front],
     num_processes=2,
     local_devices=4,
     timeout=180,
@@ -687,7 +756,7 @@ def test_two_processes_plain_jit_train_like_one(tmp_path):
   )
   logs = "\n".join((tmp_path / f"process_{i}.log").read_text() for i in range(2))
   assert codes == [0, 0], logs
-  want = worker.train(jax.devices())  # one process, the same number of devices
+  want = worker.train(jax.devices(), front)  # one process, the same number of devices
   # Not bit for bit: across processes the all-reduce (gloo) adds the devices' sums in another
   # order than within one process (measured on a bare psum of 8 float32 vectors: 57% of the
   # elements differ in the last bits), so the parameters agree to float32 rounding.
