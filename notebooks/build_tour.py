@@ -219,10 +219,11 @@ plt.show()""",
     """## The fast path: `TrainStep`
 
 `accumulate`'s `update` decides on the device whether a window closes: a `lax.cond` on the
-state's counter, which skips the inner optimizer on the other calls. On a GPU, XLA's
-conditional copies its predicate to the host and waits for it on every call, which stalls
-JAX's asynchronous dispatch. With an integer `k` the host already knows which call closes a
-window, so `TrainStep` keeps that count on the host and compiles **two programs**: an
+state's counter, which skips the inner optimizer on the other calls. On a GPU, XLA runs a
+conditional by copying its predicate to the host and waiting for it (unless the conditional is
+captured in a CUDA graph), on every call, which stalls JAX's asynchronous dispatch. With an
+integer `k` the host already knows which call closes a window, so `TrainStep` keeps that count
+on the host and compiles **two programs**: an
 accumulating one (gradient, then add it to the sums) and an emitting one (gradient, add, inner
 update, apply to the parameters). Each call runs the right one, chosen in Python: no device
 conditional, no host synchronisation, no zero updates built, and parameters and optimizer
