@@ -111,12 +111,19 @@ def reachable(comps: dict[str, list[Instruction]], roots: list[str]) -> set[str]
   return seen
 
 
-def _is(instr: Instruction, kind: str) -> bool:
-  return instr.op in (kind, kind + "-start")  # an async pair (-start/-done) counts once
+def _is(instr: Instruction, kind: str, min_bytes: int = 0) -> bool:
+  # An async pair (-start/-done) counts once.
+  if instr.op not in (kind, kind + "-start"):
+    return False
+  return min_bytes <= 0 or shape_bytes(instr.shape) >= min_bytes
 
 
 def count_collectives(
-  hlo_text: str, kind: str = "all-reduce", *, where: Literal["all", "loop", "entry"] = "all"
+  hlo_text: str,
+  kind: str = "all-reduce",
+  *,
+  where: Literal["all", "loop", "entry"] = "all",
+  min_bytes: int = 0,
 ) -> int:
   """Counts the collective ops of one kind in a compiled program's HLO text.
 
@@ -127,6 +134,9 @@ def count_collectives(
     kind: the HLO opcode, e.g. ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``.
     where: ``"all"`` (every computation the entry computation reaches), ``"loop"`` (only those
       inside a ``while`` body or condition, or what they call), or ``"entry"``.
+    min_bytes: count only ops whose result holds at least this many bytes, e.g. to count the
+      gradient-sized all-reduces and not a scalar loss's (a fused all-reduce counts its whole
+      result).
 
   Returns:
     The number of such ops.
@@ -144,7 +154,7 @@ def count_collectives(
   if where not in ("all", "loop", "entry"):
     raise ValueError(f"count_collectives: where must be 'all', 'loop' or 'entry', got {where!r}.")
   comps, entry = computations(hlo_text)
-  counts = {name: sum(_is(i, kind) for i in instrs) for name, instrs in comps.items()}
+  counts = {name: sum(_is(i, kind, min_bytes) for i in instrs) for name, instrs in comps.items()}
   if entry is None:
     return sum(counts.values())
   if where == "entry":
