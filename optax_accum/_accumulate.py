@@ -536,7 +536,8 @@ def accumulate(
   `update(grads, state, params=None, *, weight=None, force_emit=False, emit=None, **extra)`:
 
   * ``weight``: a non-negative scalar, how much this micro-batch's mean gradient counts (e.g. its
-    number of real tokens). Default 1.
+    number of real tokens). Default 1. A host value that is negative, NaN, ±Inf or too large
+    for float32 raises; a traced one drops its micro-batch and counts it in `num_skipped`.
   * ``force_emit``: bool or boolean scalar array; True closes the window now (a short last
     window), normalised by the weight it holds.
   * ``emit``: None (default) lets the device decide from the state's step counter. A Python
@@ -551,18 +552,28 @@ def accumulate(
       scalar in, integer scalar out) for batch-size ramps. The length of a window is the one in
       force when it opened.
     reduction: "mean" divides the weighted sum by the total weight; "sum" does not.
-    accum_dtype: the accumulator's dtype; None means the gradients' own dtype.
+    accum_dtype: the accumulator's dtype (floating or complex). Each leaf accumulates in
+      ``promote_types(accum_dtype, its dtype)`` of its own kind: never narrower than the
+      gradient (float64 stays float64, complex stays complex, bfloat16 is summed in float32).
+      None: the parameters' dtypes at `init` (the gradients' own for `jax.grad`); a wider
+      gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
-    axis_name: inside `shard_map`/`pmap`, the mapped axis to reduce the sums and weights over,
-      once, on the emitting step only. Gradients must then be device-local (see README).
+    axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
+      emitting step only: inside `shard_map`/`pmap`, or in a step bound by
+      `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:
+      differentiate with respect to ``jax.lax.pcast(params, axis_name, to="varying")``
+      (already-reduced gradients warn). The accumulator is then per device (see
+      `state_partition_specs`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
 
   Raises:
-    TypeError, ValueError: for a bad `every_k` or `reduction` (at construction), or a bad
-      `weight` or gradient tree (at trace time).
+    TypeError, ValueError: for a bad `every_k`, `reduction` or `accum_dtype` (at
+      construction); at trace time, for a bad host `weight` or `force_emit`, gradients of
+      another tree or shape than the state, a state made for another `every_k`, or an
+      `axis_name` that nothing binds.
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
