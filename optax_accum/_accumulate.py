@@ -104,8 +104,10 @@ class Config(NamedTuple):
     return isinstance(self.every_k, int) and self.every_k == 1
 
   @property
-  def window_reduction(self) -> Reduction:
-    """How `close_window` normalises the sums `add` returns (see `_core.add_one`)."""
+  def normalisation(self) -> Reduction:
+    """How `close_window` turns the sums `add` returns into the window's gradient: "mean"
+    divides by the total weight, "sum" keeps them — also for a window of one with no
+    accumulator, whose sums `_core.add_one` returns already normalised."""
     return "sum" if self.unaccumulated and self.axis_name is None else self.reduction
 
 
@@ -180,9 +182,9 @@ def _check_dtypes(cfg: Config, grads: Any, acc: Any) -> None:
     )
 
 
-def _check_tree(grads: Any, reference: Any, lead: int, name: str, described: str) -> None:
+def _check_tree(grads: Any, reference: Any, skip: int, name: str, described: str) -> None:
   """Raises if `grads` has another tree or other shapes than `reference` (`name`: the state's
-  accumulator, whose first `lead` axes are per-device, or the parameters)."""
+  accumulator, whose first `skip` axes are the per-device stacking, or the parameters)."""
   got, want = jax.tree.structure(grads), jax.tree.structure(reference)
   if got != want:
     raise ValueError(
@@ -191,9 +193,9 @@ def _check_tree(grads: Any, reference: Any, lead: int, name: str, described: str
     )
   pairs = zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(reference), strict=True)
   bad = [
-    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, {name} {jnp.shape(a)[lead:]}"
+    f"  {jax.tree_util.keystr(path)}: grads {jnp.shape(g)}, {name} {jnp.shape(a)[skip:]}"
     for (path, g), a in pairs
-    if jnp.shape(a)[lead:] != jnp.shape(g)
+    if jnp.shape(a)[skip:] != jnp.shape(g)
   ]
   if bad:
     raise ValueError(
@@ -215,9 +217,9 @@ def check_update(
   _collectives.check_bound(cfg.axis_name, caller)
   _check_window(cfg, state)
   if state.acc_grads is not None:
-    lead = 0 if cfg.axis_name is None else 1
+    stacking = 0 if cfg.axis_name is None else 1
     described = "the tree the state was initialised with"
-    _check_tree(grads, state.acc_grads, lead, "state", described)
+    _check_tree(grads, state.acc_grads, stacking, "state", described)
   elif params is not None:
     _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
   _check_dtypes(cfg, grads, state.acc_grads)
@@ -350,7 +352,7 @@ def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
 def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, Any]:
   """The inner update on the window's mean, finished (see `Finish`)."""
   sums, total, inner_state, params, extra = window
-  g = _core.normalise(sums, total, like, cfg.window_reduction)
+  g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
@@ -373,7 +375,7 @@ def close_window(
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
   sums, total = _collectives.reduce_window(
-    window.sums, window.total, like, cfg.axis_name, cfg.window_reduction
+    window.sums, window.total, like, cfg.axis_name, cfg.normalisation
   )
   window = window._replace(sums=sums, total=total)
   apply = functools.partial(_inner_update, cfg, like, finish)

@@ -101,7 +101,7 @@ def _axis_types(mesh: Any) -> dict[str, Any]:
   return dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
 
 
-def _lead(axes: tuple[str, ...]) -> Any:
+def _axis_entry(axes: tuple[str, ...]) -> Any:
   """The spec entry for one array dimension split over `axes`."""
   return axes[0] if len(axes) == 1 else axes
 
@@ -123,22 +123,22 @@ def _per_device_state(x: Any) -> bool:
   return _is_state(x) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)
 
 
-def _state_specs(state: AccumulateState, lead: Any) -> AccumulateState:
+def _state_specs(state: AccumulateState, entry: Any) -> AccumulateState:
   """Specs of a per-device `AccumulateState`'s leaves: its sums split over the axis."""
   rep = P()
-  split = jax.tree.map(lambda _: P(lead), state.acc_grads)
+  split = jax.tree.map(lambda _: P(entry), state.acc_grads)
   return AccumulateState(
     mini_step=rep,
     gradient_step=rep,
     acc_grads=split,
-    acc_weight=P(lead),
-    num_skipped=P(lead),
+    acc_weight=P(entry),
+    num_skipped=P(entry),
     inner_state=jax.tree.map(lambda _: rep, state.inner_state),
     updated=rep,
   )
 
 
-def _batch_spec(x: Any, axis: int, lead: Any, n: int, where: str, caller: str) -> P:
+def _batch_spec(x: Any, axis: int, entry: Any, n: int, where: str, caller: str) -> P:
   """The spec of one batch leaf: split over the axis along dimension `axis`."""
   shape = np.shape(x)
   if not -len(shape) <= axis < len(shape):
@@ -150,9 +150,9 @@ def _batch_spec(x: Any, axis: int, lead: Any, n: int, where: str, caller: str) -
   if shape[axis] % n:
     raise ValueError(
       f"{caller}: {where} has batch size {shape[axis]} (axis {axis}), which does not divide "
-      f"over the {n} devices of axis_name={lead!r}."
+      f"over the {n} devices of axis_name={entry!r}."
     )
-  return P(*([None] * axis), lead)
+  return P(*([None] * axis), entry)
 
 
 def _canonical_batch(
@@ -191,15 +191,16 @@ def _resolve(batch: dict[int | str, int], nargs: int, kwargs: dict, caller: str)
   return out
 
 
-def _arg_specs(key: int | str, a: Any, batch: dict, lead: Any, n: int, caller: str) -> Any:
+def _arg_specs(key: int | str, a: Any, batch: dict, entry: Any, n: int, caller: str) -> Any:
   """The spec tree of one argument (over the bound axis only)."""
   if key in batch:
     name = f"argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
     return jax.tree_util.tree_map_with_path(
-      lambda p, x: _batch_spec(x, batch[key], lead, n, name + jax.tree_util.keystr(p), caller), a
+      lambda p, x: _batch_spec(x, batch[key], entry, n, name + jax.tree_util.keystr(p), caller),
+      a,
     )
   return jax.tree.map(
-    lambda x: _state_specs(x, lead) if _per_device_state(x) else P(), a, is_leaf=_is_state
+    lambda x: _state_specs(x, entry) if _per_device_state(x) else P(), a, is_leaf=_is_state
   )
 
 
@@ -233,7 +234,7 @@ def _place(x: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> Any:
 
 
 def _out_spec(
-  path: Any, t: Any, lead: Any, axes: tuple, varying: Varying, stacked: bool, caller: str
+  path: Any, t: Any, entry: Any, axes: tuple, varying: Varying, stacked: bool, caller: str
 ) -> P:
   if not set(axes) & _collectives.vma(t):
     return P()
@@ -242,24 +243,24 @@ def _out_spec(
     if not t.shape:
       raise ValueError(
         f"{caller}: output{where} is a scalar that differs per device over "
-        f"axis_name={lead!r}; there is no leading axis to join the devices' values along. "
-        f"Reduce it inside the function (e.g. `jax.lax.pmean(x, {lead!r})`)."
+        f"axis_name={entry!r}; there is no leading axis to join the devices' values along. "
+        f"Reduce it inside the function (e.g. `jax.lax.pmean(x, {entry!r})`)."
       )
-    return P(lead)
+    return P(entry)
   raise ValueError(
-    OUTPUT_VARIES.format(caller=caller, path=where, axis=lead, type=f"{t.dtype}{list(t.shape)}")
+    OUTPUT_VARIES.format(caller=caller, path=where, axis=entry, type=f"{t.dtype}{list(t.shape)}")
   )
 
 
-def _out_specs(types: Any, lead: Any, axes: tuple, varying: Varying, caller: str) -> Any:
+def _out_specs(types: Any, entry: Any, axes: tuple, varying: Varying, caller: str) -> Any:
   """Specs of `fun`'s outputs, from their types: replicated, or split over the axis."""
 
   def node(path, x):
     if _is_state(x):  # its per-device sums are device-varying: stacked over the axis
       return jax.tree_util.tree_map_with_path(
-        lambda p, t: _out_spec(path + p, t, lead, axes, varying, True, caller), x
+        lambda p, t: _out_spec(path + p, t, entry, axes, varying, True, caller), x
       )
-    return _out_spec(path, x, lead, axes, varying, False, caller)
+    return _out_spec(path, x, entry, axes, varying, False, caller)
 
   return jax.tree_util.tree_map_with_path(node, types, is_leaf=_is_state)
 
@@ -290,12 +291,12 @@ def _bind_manual(
   fun: Callable, mesh: Any, axes: tuple, batch: dict, varying: Varying, caller: str, args, kwargs
 ) -> Any:
   """`fun` under `shard_map`, manual over `axes` only (sync="update")."""
-  lead = _lead(axes)
+  entry = _axis_entry(axes)
   n = int(np.prod([dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[a] for a in axes]))
   batch = _resolve(batch, len(args), kwargs, caller)
   spec_tree = (
-    tuple(_arg_specs(i, a, batch, lead, n, caller) for i, a in enumerate(args)),
-    {key: _arg_specs(key, a, batch, lead, n, caller) for key, a in kwargs.items()},
+    tuple(_arg_specs(i, a, batch, entry, n, caller) for i, a in enumerate(args)),
+    {key: _arg_specs(key, a, batch, entry, n, caller) for key, a in kwargs.items()},
   )
   where, rebuild = _flatten_args(args, kwargs)
   leaves = jax.tree.leaves((args, kwargs))
@@ -317,7 +318,7 @@ def _bind_manual(
 
   sm = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), axis_names=set(axes))
   jax.eval_shape(sm(probe, out_specs=()), arrays)
-  out_specs = _out_specs(types[0], lead, axes, varying, caller)
+  out_specs = _out_specs(types[0], entry, axes, varying, caller)
   return sm(body, out_specs=out_specs)(arrays)
 
 
@@ -335,7 +336,7 @@ def _bind_trivial(fun: Callable, axes: tuple, caller: str, args, kwargs) -> Any:
   and GSPMD partitions `fun` over the whole mesh (sync="microbatch")."""
   for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state):
     if _per_device_state(x):
-      raise ValueError(SYNC_MICROBATCH_STATE.format(caller=caller, path="", axis=_lead(axes)))
+      raise ValueError(SYNC_MICROBATCH_STATE.format(caller=caller, path="", axis=_axis_entry(axes)))
 
   def call(_):
     return fun(*args, **kwargs)
@@ -347,7 +348,7 @@ def _bind_trivial(fun: Callable, axes: tuple, caller: str, args, kwargs) -> Any:
   for x in jax.tree.leaves(out, is_leaf=_is_state):
     if _per_device_state(x):
       raise ValueError(
-        SYNC_MICROBATCH_STATE.format(caller=caller, path=" (an output)", axis=_lead(axes))
+        SYNC_MICROBATCH_STATE.format(caller=caller, path=" (an output)", axis=_axis_entry(axes))
       )
   return out
 

@@ -76,13 +76,13 @@ def _names(part) -> tuple:
 
 def _stacked(path, spec: PartitionSpec, axes: tuple[str, ...], gathered: bool) -> PartitionSpec:
   """The spec of a per-device accumulator: the parameter's spec, stacked over `axes`."""
-  lead = axes[0] if len(axes) == 1 else axes
+  stack_axis = axes[0] if len(axes) == 1 else axes
   used = {a for part in spec for a in _names(part)}
   if used & set(axes):
     if not gathered:
       raise ValueError(
         f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
-        f"axis_name={lead!r} (spec {spec}), so its per-device accumulator cannot be stacked "
+        f"axis_name={stack_axis!r} (spec {spec}), so its per-device accumulator cannot be stacked "
         "over that axis too. With `optax_accum.data_parallel` (sync='update') such a parameter "
         "is gathered on every device and its accumulator is full-size: pass gathered=True. "
         "For an accumulator sharded like the parameter, use accumulate(..., axis_name=None) "
@@ -90,7 +90,7 @@ def _stacked(path, spec: PartitionSpec, axes: tuple[str, ...], gathered: bool) -
       )
     parts = [tuple(a for a in _names(part) if a not in axes) for part in spec]
     spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
-  return PartitionSpec(lead, *spec)
+  return PartitionSpec(stack_axis, *spec)
 
 
 def state_partition_specs(
@@ -144,7 +144,7 @@ def state_partition_specs(
   ({'w': P('data', None)}, {'w': P('data',)})
   """
   axes = _axes(axis_name)
-  lead = None if not axes else axes[0] if len(axes) == 1 else axes
+  stack_axis = None if not axes else axes[0] if len(axes) == 1 else axes
   template = _structure(tx, axes)
   params_specs = jax.tree.map(lambda s: s, params_specs, is_leaf=_is_spec)
   for path, s in jax.tree.leaves_with_path(params_specs, is_leaf=_is_spec):
@@ -170,9 +170,9 @@ def state_partition_specs(
       return params_like(lambda _, s: out(spec_of(s)))
     if isinstance(x, AccumulateState):
       per_device = x.acc_weight.ndim > x.mini_step.ndim
-      if per_device and lead is None:
+      if per_device and stack_axis is None:
         raise ValueError(_NEEDS_AXIS)
-      dev = out(PartitionSpec(lead)) if per_device else out(PartitionSpec())
+      dev = out(PartitionSpec(stack_axis)) if per_device else out(PartitionSpec())
       rep = out(PartitionSpec())
       if x.acc_grads is None:
         acc = None
