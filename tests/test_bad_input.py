@@ -349,7 +349,7 @@ def _device_float(w: float) -> float:
 @functools.cache
 def _updates(name: str):
   """The accumulating update under test and the plain inner update, jitted once per optimizer."""
-  inner = ref.OPTIMIZERS[name]
+  inner = SGD if name == "sgd_complex" else ref.OPTIMIZERS[name]
   tx = optax_accum.accumulate(inner, K)
   return tx, jax.jit(tx.update), jax.jit(inner.update)
 
@@ -432,13 +432,15 @@ def test_bad_input_property_error_or_the_large_batch_of_the_valid_micro_batches(
   ),
 )
 def test_bad_input_property_complex_gradients(weights, poison):
-  tx = optax_accum.accumulate(SGD, K)
+  tx, update, _ = _updates("sgd_complex")
   params = _tree(99, np.complex64)
   grads = [_tree(i, np.complex64) for i in range(K)]
   for g, p in zip(grads, poison, strict=True):
     if p is not None:
       g["w"][2, 1] = p
-  updates, state = _window(tx, grads, [np.float32(w) for w in weights], params)
+  state = tx.init(params)
+  for g, w in zip(grads, weights, strict=True):
+    updates, state = update(g, state, params, weight=np.float32(w))
   valid = [
     i
     for i in range(K)
