@@ -135,7 +135,9 @@ class TrainStep:
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     self._programs = self._jit()
-    self._pinned = False  # with axis_name: the programs' output shardings are set (`_pin`)
+    # With axis_name: whether the programs' output shardings are set (`_pin`); nothing to set
+    # without one.
+    self._pinned = axis_name is None
     self._position: int | None = None  # micro-steps taken in the open window
     self._last_state: Any = None
 
@@ -279,7 +281,8 @@ class TrainStep:
       # window position once. Every other call is dispatched without waiting for the device.
       self._position = int(jax.device_get(state.mini_step))
     emit = force_emit or self._position + 1 >= self.every_k
-    self._pin(params)
+    if not self._pinned:
+      self._pin(params)
     program = self._programs[emit]
     params, state, self._grad_buffer, value = program(
       params, state, self._buffer(params, args), args, weight, emit=emit
