@@ -22,6 +22,8 @@ cross", on an Explicit and an Auto mesh), with time per update (median of interl
 
 * within: a naive `lax.scan` of `jax.grad` (GSPMD reduces every micro-batch, inside the loop)
   vs `microbatch(..., axis_name="d")` bound by `optax_accum.data_parallel` (one reduction);
+  the naive scan gets its micro-batches pre-split (`presplit`), so its timed program holds no
+  transpose of the batch that `microbatch` (which reads them in place) does not pay either;
 * cross: `accumulate` without an axis name in the user's jitted step (GSPMD reduces every
   micro-step) vs the recipe: `accumulate(axis_name="d")` in a step bound by `data_parallel`.
 
@@ -62,7 +64,7 @@ def _lead(x):
 
 
 def cross_programs(model, params, batch, mesh, k: int):
-  """{name: {program: Compiled}} for the cross-step contenders."""
+  """{name: {program: Program}} for the cross-step contenders."""
   adam = optax.adam(1e-3)
   out = {}
 
@@ -129,7 +131,7 @@ def within_programs(model, params, batch, mesh, k: int):
   }
 
 
-def per_update(programs: dict[str, H.Compiled], k: int, kind: str) -> dict[str, float]:
+def per_update(programs: dict[str, H.Program], k: int, kind: str) -> dict[str, float]:
   """All-reduce ops and bytes executed over one update (a window of k micro-steps)."""
   ops = 0.0
   nbytes = 0.0
@@ -150,21 +152,36 @@ def per_update(programs: dict[str, H.Compiled], k: int, kind: str) -> dict[str, 
 # Plain jax.jit (GSPMD).
 
 
-def _strided(batch, k: int):
-  """(k, n/k, ...) micro-batches, micro-batch i = rows i, i+k, ...: each keeps the batch's
-  sharding over "d" (a contiguous split would move rows between devices)."""
-  return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), batch)
+def presplit(batch, k: int):
+  """The batch laid out as (k, n/k, ...) micro-batches before the step, as a data loader would
+  hand them over: micro-batch i = rows i, i+k, ... (the strided split), the rows of each still
+  sharded over "d". Arrays (rearranged on the host) or `jax.ShapeDtypeStruct`s.
+
+  The naive scans take this layout, so their timed program holds no transpose of the batch:
+  `microbatch` reads its micro-batches in place from the unsplit batch, and a naive baseline
+  that paid for a transpose inside the step would make ours look faster than it is."""
+
+  def one(x):
+    sharding = NamedSharding(x.sharding.mesh, P(None, "d"))
+    shape = (k, x.shape[0] // k, *x.shape[1:])
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(shape, x.dtype, sharding=sharding)
+    host = np.asarray(x).reshape(-1, k, *x.shape[1:]).swapaxes(0, 1)
+    return jax.device_put(np.ascontiguousarray(host), sharding)
+
+  return jax.tree.map(one, batch)
 
 
 def naive_scan(model, k: int):
-  """The textbook in-step accumulation: a `lax.scan` of `jax.grad`, no axis name."""
+  """The textbook in-step accumulation: a `lax.scan` of `jax.grad` over pre-split
+  micro-batches (`presplit`), no axis name."""
 
-  def f(params, batch):
+  def f(params, micro):
     def body(acc, mb):
       return jax.tree.map(jnp.add, acc, jax.grad(model.loss)(params, mb)), None
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    acc, _ = lax.scan(body, zeros, _strided(batch, k))
+    acc, _ = lax.scan(body, zeros, micro)
     return jax.tree.map(lambda a: a / k, acc)
 
   return f
@@ -175,7 +192,7 @@ def naive_weighted_scan(model, k: int):
   counts; here every row is real, so it is the same mean): the all-reduce's result is no longer
   added into the carry as it is."""
 
-  def f(params, batch):
+  def f(params, micro):
     def body(carry, mb):
       acc, total = carry
       w = jnp.sum(mb[1] >= 0).astype(jnp.float32)  # data-dependent: XLA cannot fold it
@@ -183,7 +200,7 @@ def naive_weighted_scan(model, k: int):
       return (jax.tree.map(lambda a, x: a + w * x, acc, g), total + w), None
 
     zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
-    (acc, total), _ = lax.scan(body, zeros, _strided(batch, k))
+    (acc, total), _ = lax.scan(body, zeros, micro)
     return jax.tree.map(lambda a: a / total, acc)
 
   return f
@@ -194,15 +211,22 @@ def bound_microbatch(model, k: int):
   return optax_accum.microbatch(jax.grad(model.loss), k, axis_name="d")
 
 
-def plain_within_programs(model, params, batch, k: int) -> dict[str, dict[str, H.Compiled]]:
-  unbound = optax_accum.microbatch(jax.grad(model.loss), k)  # no axis name: GSPMD decides
-  fns = {
-    "plain jit: naive lax.scan of jax.grad": naive_scan(model, k),
-    "plain jit: naive lax.scan, weighted (acc + w*g)": naive_weighted_scan(model, k),
-    "plain jit: microbatch (no axis name)": unbound,
-    "plain jit: microbatch(axis_name)": bound_microbatch(model, k),
-  }
-  return {name: {"step": H.compile_fn(f, params, batch)} for name, f in fns.items()}
+NAIVE_SCANS = {
+  "plain jit: naive lax.scan of jax.grad": naive_scan,
+  "plain jit: naive lax.scan, weighted (acc + w*g)": naive_weighted_scan,
+}
+
+
+def plain_within_programs(model, params, batch, k: int):
+  """({name: {"step": Program}}, {name: its batch argument}): the naive scans take the batch
+  pre-split (`presplit`, outside the timed program), `microbatch` the batch as it comes."""
+  fns = {name: make(model, k) for name, make in NAIVE_SCANS.items()}
+  fns["plain jit: microbatch (no axis name)"] = optax_accum.microbatch(jax.grad(model.loss), k)
+  fns["plain jit: microbatch(axis_name)"] = bound_microbatch(model, k)
+  micro = presplit(batch, k)
+  inputs = {name: micro if name in NAIVE_SCANS else batch for name in fns}
+  programs = {name: {"step": H.compile_fn(f, params, inputs[name])} for name, f in fns.items()}
+  return programs, inputs
 
 
 def _protocol_step(model, tx, local: bool):
@@ -216,7 +240,7 @@ def _protocol_step(model, tx, local: bool):
 
 
 def plain_cross_programs(model, params, batch, mesh, k: int):
-  """{name: ({"accumulate"|"emit": Compiled}, init)} for the cross-step contenders (`params`
+  """{name: ({"accumulate"|"emit": Program}, init)} for the cross-step contenders (`params`
   and `batch` may be `jax.ShapeDtypeStruct`s: nothing runs here)."""
   adam = optax.adam(1e-3)
   out = {}
@@ -254,7 +278,7 @@ def _binder(axis, mesh):
 GRADIENT_BYTES = 1024
 
 
-def _reductions_per_update(programs: dict[str, H.Compiled], k: int, kind: str) -> dict:
+def _reductions_per_update(programs: dict[str, H.Program], k: int, kind: str) -> dict:
   """Reductions (all-reduce + reduce-scatter; all, and gradient-sized ones) and all-gathers
   run per update."""
   calls = {"accumulate": k - 1, "emit": 1, "step": 1 if kind == "within" else k}
@@ -287,13 +311,15 @@ def _put(mesh, tree, spec):
 
 
 def _plain_within_rows(model, params, batch, k, axis_type, rounds) -> list[dict]:
-  within = plain_within_programs(model, params, batch, k)
-  outs = {name: progs["step"](params, batch) for name, progs in within.items()}
+  within, inputs = plain_within_programs(model, params, batch, k)
+  outs = {name: progs["step"](params, inputs[name]) for name, progs in within.items()}
   first = next(iter(outs.values()))
   for name, out in outs.items():
     d, rel = H.max_diff(out, first)
     assert rel < 1e-4, f"plain-jit within: {name} disagrees: {d} ({rel} relative)"
-  fns = {name: (lambda f=progs["step"]: f(params, batch)) for name, progs in within.items()}
+  fns = {
+    name: (lambda f=progs["step"], b=inputs[name]: f(params, b)) for name, progs in within.items()
+  }
   times = H.run_side_by_side(fns, rounds=rounds)
   return [
     _plain_row("plain-jit within", name, k, axis_type, progs, times[name], params)
@@ -310,9 +336,9 @@ def _train_step_contender(model, params, batch, k: int):
   state = step.init(params)
   programs = {}
   for name, emit in (("accumulate", False), ("emit", True)):
-    compiled = step.lower(params, state, batch, emit=emit).compile()
-    text = compiled.as_text()
-    programs[name] = H.Compiled(compiled, 0.0, H.memory(compiled), H.hlo_stats(text), text)
+    programs[name] = H.compile_lowered(
+      lambda emit=emit: step.lower(params, state, batch, emit=emit)
+    )
 
   def window():
     p, s = params, state
@@ -398,7 +424,7 @@ def _per_device_bytes(tree) -> int:
 
 
 def _fsdp_within(model, params, batch, shardings, k: int):
-  """{choice: (Compiled step, optimizer state)}: one Adam update on a microbatched gradient."""
+  """{choice: (Program step, optimizer state)}: one Adam update on a microbatched gradient."""
   adam = optax.adam(1e-3)
   opt_shardings = optax_accum.state_partition_specs(adam, shardings, None)
   opt_state = jax.jit(adam.init, out_shardings=opt_shardings)(params)
@@ -427,7 +453,7 @@ def _fsdp_within(model, params, batch, shardings, k: int):
 
 
 def _fsdp_cross(model, params, batch, shardings, mesh, k: int):
-  """{choice: ({"accumulate"|"emit": Compiled}, state)}: accumulate across steps."""
+  """{choice: ({"accumulate"|"emit": Program}, state)}: accumulate across steps."""
   adam = optax.adam(1e-3)
   out = {}
   for choice, axis in (
@@ -563,7 +589,7 @@ def gpu_topology_rows(cfg: dict, topology: str) -> list[dict]:
       for k in cfg["dist_ks"]:
         # Shapes only: nothing may run on compile-only devices (not even making a key).
         within = sds(_batch_shapes(model, cfg["dist_micro"] * k * n), P("d"))
-        for name, progs in plain_within_programs(model, p, within, k).items():
+        for name, progs in plain_within_programs(model, p, within, k)[0].items():
           rows.append(_plain_row("plain-jit within", name, k, axis_type, progs, None, params))
         cross = sds(_batch_shapes(model, cfg["dist_micro"] * n), P("d"))
         for name, (progs, _) in plain_cross_programs(model, p, cross, mesh, k).items():

@@ -1,9 +1,11 @@
 """Measurement tools shared by every benchmark section.
 
-* `compile_fn`, `hlo_stats`, `memory` — the library's HLO reader (`optax_accum._hlo`): lower
-  and compile once, timing the compile separately from any run, and read XLA's own memory
-  accounting and what the optimised HLO holds (copies, conditionals, loops, collectives, and
-  where each sits: every call, inside a conditional branch, inside a loop body).
+* `compile_fn`, `compile_lowered` — lower and compile once, timing the compile separately from
+  any run, and record XLA's own memory accounting and what the optimised HLO holds (copies,
+  conditionals, loops, collectives, and where each sits: every call, inside a conditional
+  branch, inside a loop body) as a `Program`. The HLO reader is the library's own
+  (`optax_accum._hlo`, the module its structure tests use too), read only through its
+  functions `hlo_stats` and `memory`.
 * `run_side_by_side` / `run_interleaved_steps` — run contenders side by side, rotating their
   order (round by round, or step by step), blocking on every result; `Timing` gives median and
   spread, `paired_ratio` the median of per-round ratios.
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +25,43 @@ import numpy as np
 from optax_accum import _hlo
 
 # ----------------------------------------------------------------------------------------------
-# Compilation, memory, HLO: the library's own reader (`optax_accum._hlo`).
+# Compilation, memory, HLO.
 
-Compiled = _hlo.Compiled
 HloStats = _hlo.HloStats
-compile_fn = _hlo.compile_fn
 hlo_stats = _hlo.hlo_stats
 memory = _hlo.memory
 shape_bytes = _hlo.shape_bytes
+
+
+@dataclass
+class Program:
+  """One compiled program: callable, compile seconds, memory (`memory`), HLO stats, HLO text."""
+
+  fn: Any
+  compile_s: float
+  memory: dict[str, int]
+  hlo: HloStats
+  text: str
+
+  def __call__(self, *args):
+    return self.fn(*args)
+
+
+def compile_lowered(lower: Callable[[], Any]) -> Program:
+  """Compiles what `lower()` returns (a `jax.stages.Lowered`), timing lowering and compile."""
+  t0 = time.perf_counter()
+  compiled = lower().compile()
+  seconds = time.perf_counter() - t0
+  text = compiled.as_text()
+  return Program(compiled, seconds, memory(compiled), hlo_stats(text), text)
+
+
+def compile_fn(
+  f: Callable, *args: Any, donate_argnums: Sequence[int] = (), **jit_kwargs: Any
+) -> Program:
+  """Lowers and compiles ``jax.jit(f)`` for `args` (timed), with `donate_argnums` donated."""
+  jitted = jax.jit(f, donate_argnums=tuple(donate_argnums), **jit_kwargs)
+  return compile_lowered(lambda: jitted.lower(*args))
 
 
 # glibc's largest dynamic mmap threshold on 64-bit Linux: allocations above it are fresh pages,

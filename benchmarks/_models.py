@@ -20,6 +20,7 @@ class Model:
   init: Any  # key -> params
   loss: Any  # (params, batch) -> scalar mean loss
   batch: Any  # (key, n) -> batch pytree with leading axis n
+  shape: str = ""  # what it is, for the report: "MLP 784-2048-2048-2048-10"
 
 
 def mlp(sizes: tuple[int, ...], name: str = "mlp") -> Model:
@@ -47,7 +48,7 @@ def mlp(sizes: tuple[int, ...], name: str = "mlp") -> Model:
     y = jnp.argmax(x @ teacher, axis=-1).astype(jnp.int32)
     return x, y
 
-  return Model(name, init, loss, batch)
+  return Model(name, init, loss, batch, f"MLP {'-'.join(map(str, sizes))}")
 
 
 def transformer(
@@ -106,7 +107,8 @@ def transformer(
     noise = jax.random.bernoulli(k2, 0.1, (n, seq + 1)).astype(jnp.int32)
     return ((start + 3 * jnp.arange(seq + 1)[None] + noise) % vocab).astype(jnp.int32)
 
-  return Model(name, init, loss, batch)
+  shape = f"transformer: vocab {vocab}, width {d}, {layers} layers, {heads} heads, {seq} tokens"
+  return Model(name, init, loss, batch, shape)
 
 
 def num_params(params) -> int:

@@ -29,7 +29,7 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def _verdict(ok: bool | None) -> str:
-  return "–" if ok is None else ("met" if ok else "**missed**")
+  return "–" if ok is None else ("yes" if ok else "no")
 
 
 def _extra_state(r) -> int:
@@ -37,8 +37,15 @@ def _extra_state(r) -> int:
   return r["state_minus_adam"] - (r["param_bytes"] if r["k"] > 1 else 0)
 
 
+def _state_summary(rows: list[dict[str, Any]]) -> str:
+  extras = {_extra_state(r) for r in rows}
+  if len(extras) == 1:
+    return f"{extras.pop()} B beyond them, for every model and k"
+  return "; ".join(f"{r['model']} k={r['k']}: {_extra_state(r)} B beyond" for r in rows)
+
+
 def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-  """Each BENCHMARKS.md target with the figure measured in this run and met/missed."""
+  """Each target of the benchmark protocol (CONTRIBUTING.md): this run's figure, reached or not."""
   out = []
   cross = [r for r in res.get("cross", []) if r["k"] > 1]
   for model in dict.fromkeys(r["model"] for r in cross):
@@ -68,7 +75,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     worst = max(ones, key=lambda r: r["ratio_vs_adam"])
     out.append(
       {
-        "figure": "cross-step: accumulate(adam, 1) / plain adam (DESIGN: k=1 costs no extra time)",
+        "figure": "cross-step: accumulate(adam, 1) / plain adam (k=1 costs no extra time)",
         "target": "≤ 1.10",
         "measured": f"{worst['ratio_vs_adam']:.2f} (worst: {worst['model']})",
         "ok": all(r["ratio_vs_adam"] <= 1.10 for r in ones),
@@ -101,11 +108,7 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
       {
         "figure": "cross-step: optimizer-state bytes of accumulate − adam's",
         "target": "one accumulator (k>1), none at k=1 (+ scalars)",
-        "measured": "; ".join(
-          f"{r['model']} k={r['k']}: {_extra_state(r)} B beyond"
-          + (" 1 accumulator" if r["k"] > 1 else " none")
-          for r in all_cross
-        ),
+        "measured": _state_summary(all_cross),
         "ok": all(ok(r) for r in all_cross),
       }
     )
@@ -174,63 +177,100 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         "figure": "distributed: gradient all-reduces per update (8 host devices; shard_map "
         "and plain jit)",
         "target": "one (fused) per gradient, independent of k",
-        "measured": ", ".join(f"{r['contender']} k={r['k']}: {n:.0f}" for r, n in dist),
+        "measured": f"1 in each of the {len(dist)} rows (contender × k × mesh)"
+        if all(n == 1 for _, n in dist)
+        else "; ".join(f"{r['contender']} k={r['k']}: {n:.0f}" for r, n in dist if n != 1),
         "ok": all(n == 1 for _, n in dist),
       }
     )
   return out
 
 
-def markdown(res: dict[str, Any]) -> str:
+def _header(res: dict[str, Any]) -> list[str]:
   meta = res["meta"]
-  parts = [
+  return [
     f"# optax_accum benchmarks — {meta['backend']} ({meta['device']})",
     "",
     f"`{meta['command']}` · {meta['date']} · jax {meta['jax']}, optax {meta['optax']} · "
     f"scale `{meta['scale']}` · {meta['cpu_count']} host CPUs · total {meta['seconds']:.0f} s",
     "",
-    "Times are medians over rounds that alternate the contenders; spread is the inter-quartile "
-    "range relative to the median; ratios are medians of per-round ratios (contenders measured "
-    "back to back). Memory is XLA's `compiled.memory_analysis()` with params and optimizer "
-    "state donated. Every equivalent contender was checked against the large-batch result "
-    "before it was timed.",
+    "How to read these tables: a time is the median over rounds that alternate the "
+    "contenders, with its spread (the inter-quartile range, ± around the median); a ratio "
+    "(× adam, × MultiSteps, × large) is the median of per-round ratios between contenders "
+    "measured back to back, the figure that survives a noisy machine. Memory is XLA's own "
+    "accounting of the compiled program (`compiled.memory_analysis()`), parameters and "
+    "optimizer state donated. Every equivalent contender was checked against the large-batch "
+    "result before it was timed. The method is in `CONTRIBUTING.md` (Benchmark protocol).",
     "",
   ]
-  if res.get("targets"):
+
+
+def _adam_note(rs: list[dict[str, Any]]) -> str:
+  """Whether plain Adam's own program crosses glibc's mmap threshold on this model."""
+  adam = next((r for r in rs if r["contender"] == ADAM), None)
+  if adam is None or adam["temp_bytes"] is None:
+    return ""
+  over = adam["temp_bytes"] > MMAP_THRESHOLD
+  faults = max(r["faults_per_step"] for r in rs if r["contender"] == ADAM)
+  if over:
+    return (
+      f"Plain Adam's own temp here is {fmt_bytes(adam['temp_bytes'])}, above glibc's 32 MiB "
+      f"mmap threshold: on CPU the baseline itself pays up to {faults:.0f} page faults per "
+      "step, so every ratio to it reads lower than on a model where it does not."
+    )
+  return (
+    f"Plain Adam's own temp here is {fmt_bytes(adam['temp_bytes'])}, below glibc's 32 MiB "
+    "mmap threshold (no page faults): the ratios to it are not flattered by the baseline."
+  )
+
+
+def _summary(res: dict[str, Any]) -> list[str]:
+  """Time per micro-step / plain Adam, one small table per cross-step model."""
+  cross = res.get("cross", [])
+  if not cross:
+    return []
+  parts = [
+    "## Summary: time per micro-step against plain Adam",
+    "",
+    "Each cell: the contender's time per micro-step over whole windows of k micro-steps / "
+    "plain `optax.adam` at the micro-batch size (lower is faster; Adam itself is 1.00).",
+    "",
+  ]
+  for model in dict.fromkeys(r["model"] for r in cross):
+    rs = [r for r in cross if r["model"] == model]
+    ks = sorted({r["k"] for r in rs})
+    names = [n for n in dict.fromkeys(r["contender"] for r in rs) if n != ADAM]
+    ratio = {(r["contender"], r["k"]): r["ratio_vs_adam"] for r in rs}
     parts += [
-      "## Targets",
+      f"**{_model_title(res, model)}.** {_adam_note(rs)}",
       "",
       _table(
-        ["figure", "target", "measured", "verdict"],
-        [[t["figure"], t["target"], t["measured"], _verdict(t["ok"])] for t in res["targets"]],
+        ["path", *[f"k = {k}" for k in ks]],
+        [[n, *[f"{ratio[(n, k)]:.2f}" for k in ks]] for n in names],
       ),
       "",
     ]
+  return parts
+
+
+def _model_title(res: dict[str, Any], model: str) -> str:
+  info = res["meta"]["models"].get(model, {})
+  shape = info.get("shape") or model
+  return f"{shape} ({info.get('params', 0):,} params, micro-batch {info.get('micro', '?')})"
+
+
+def _cross_tables(res: dict[str, Any]) -> list[str]:
   cross = res.get("cross", [])
+  parts = []
   for model in dict.fromkeys(r["model"] for r in cross):
     rs = [r for r in cross if r["model"] == model]
-    info = res["meta"]["models"].get(model, {})
     parts += [
-      f"## Cross-step: {model} ({info.get('params', '?'):,} params, micro-batch "
-      f"{info.get('micro', '?')})",
+      f"## Cross-step: {_model_title(res, model)}",
+      "",
+      "### Time",
       "",
       _table(
-        [
-          "k",
-          "contender",
-          "ms / micro-step",
-          "spread",
-          "× adam",
-          "× MultiSteps",
-          "temp",
-          "temp − adam (param bufs)",
-          "faults / step",
-          "opt state",
-          "state − adam",
-          "copy bytes",
-          "conds",
-          "compile s",
-        ],
+        ["k", "contender", "ms / micro-step", "spread", "× adam", "× MultiSteps", "faults / step"],
         [
           [
             r["k"],
@@ -239,11 +279,38 @@ def markdown(res: dict[str, Any]) -> str:
             f"±{r['time']['iqr_rel'] * 50:.0f}%",
             f"{r['ratio_vs_adam']:.2f}",
             f"{r['ratio_vs_multisteps']:.2f}",
-            fmt_bytes(r["temp_bytes"]) + (" ⚠" if r["temp_bytes"] > MMAP_THRESHOLD else ""),
-            f"{r['temp_minus_adam'] / r['param_bytes']:+.2f}",
             f"{r['faults_per_step']:.0f}",
+          ]
+          for r in rs
+        ],
+      ),
+      "",
+      "*faults / step*: minor page faults per micro-step (`getrusage`). On CPU, glibc serves "
+      "a temporary above its mmap threshold (32 MiB) with fresh pages on every call and the "
+      "kernel faults each one in: a cost that `cost_analysis()` does not see.",
+      "",
+      "### Memory and compiled program",
+      "",
+      _table(
+        [
+          "k",
+          "contender",
+          "temp",
+          "temp − adam",
+          "opt state",
+          "state − adam",
+          "copies",
+          "conds",
+          "compile s",
+        ],  # fmt: skip
+        [
+          [
+            r["k"],
+            r["contender"],
+            fmt_bytes(r["temp_bytes"]) + (" ⚠" if r["temp_bytes"] > MMAP_THRESHOLD else ""),
+            f"{r['temp_minus_adam'] / r['param_bytes']:+.2f} params",
             fmt_bytes(r["state_bytes"])
-            + (f" (+{fmt_bytes(r['extra_bytes'])} buffer)" if r.get("extra_bytes") else ""),
+            + (f" + {fmt_bytes(r['extra_bytes'])} buffer" if r.get("extra_bytes") else ""),
             fmt_bytes(r["state_minus_adam"]),
             fmt_bytes(r["copy_bytes"]),
             r["conditionals"],
@@ -253,222 +320,383 @@ def markdown(res: dict[str, Any]) -> str:
         ],
       ),
       "",
-      "Two-program contenders: temp is the larger of the two programs; copies and conditionals "
-      "are summed over both (see `results.json` for each program, with its own page faults). "
-      "⚠: temp above glibc's mmap threshold (32 MiB): on CPU such a program gets fresh pages "
-      "on every call and faults each one in — *faults / step* (minor page faults per "
-      "micro-step, `getrusage`) is that cost, which `cost_analysis()` does not see. TrainStep's "
-      "opt state shows its gradient buffer separately: it lives in the helper (on CPU), not in "
-      "the optimizer state.",
+      "*temp*: XLA's scratch bytes (the larger of a two-program contender's programs; ⚠ above "
+      "the 32 MiB mmap threshold); *temp − adam* in parameter-sized buffers; *copies*: bytes "
+      "of top-level copies in the optimised HLO, and *conds* its conditionals, summed over a "
+      "contender's programs (`results.json` has each program). `TrainStep`'s gradient buffer "
+      "lives in the helper (on CPU), not in the optimizer state, hence shown apart.",
       "",
     ]
-  disp = [r for r in cross if r.get("dispatch")]
-  if disp:
-    parts += [
-      "## Emission strategies",
-      "",
-      "Device conditional (`accumulate`, `lax.cond` on the step counter), static two-program "
-      "emission (host counter: `TrainStep`, hand-built), select (`optax.MultiSteps`, inner "
-      "update on every step). *dispatch share* = time to dispatch a window of steps without "
-      "blocking / time until it finished: near 1 means the host waited for the device (a sync "
-      "per step); small means asynchronous dispatch ran ahead."
-      + (
-        " On CPU a conditional is decided on the host thread that runs the program, so no "
-        "strategy stalls dispatch here; the GPU behaviour (a predicate copied back per "
-        "conditional) needs `--scale gpu` on a GPU."
-        if res["meta"]["backend"] == "cpu"
-        else ""
-      ),
-      "",
-      _table(
-        ["model", "k", "contender", "× adam", "dispatch share", "conds", "copy bytes"],
+  return parts
+
+
+def _emission(res: dict[str, Any]) -> list[str]:
+  disp = [r for r in res.get("cross", []) if r.get("dispatch")]
+  if not disp:
+    return []
+  cpu = res["meta"]["backend"] == "cpu"
+  return [
+    "## Emission strategies",
+    "",
+    "Device conditional (`accumulate`, `lax.cond` on the step counter), static two-program "
+    "emission (host counter: `TrainStep`, hand-built), select (`optax.MultiSteps`, inner "
+    "update on every step). *dispatch share* = time to dispatch a window of steps without "
+    "blocking / time until it finished: near 1 means the host waited for the device (a sync "
+    "per step); small means asynchronous dispatch ran ahead."
+    + (
+      " On CPU a conditional is decided on the host thread that runs the program, so no "
+      "strategy stalls dispatch here; the GPU behaviour (a predicate copied back per "
+      "conditional) needs `--scale gpu` on a GPU."
+      if cpu
+      else ""
+    ),
+    "",
+    _table(
+      ["model", "k", "contender", "× adam", "dispatch share", "conds", "copies"],
+      [
         [
-          [
-            r["model"],
-            r["k"],
-            r["contender"],
-            f"{r['ratio_vs_adam']:.2f}",
-            f"{r['dispatch']['dispatch_frac']:.2f}",
-            r["conditionals"],
-            fmt_bytes(r["copy_bytes"]),
-          ]
-          for r in disp
-        ],
-      ),
-      "",
-    ]
+          r["model"],
+          r["k"],
+          r["contender"],
+          f"{r['ratio_vs_adam']:.2f}",
+          f"{r['dispatch']['dispatch_frac']:.2f}",
+          r["conditionals"],
+          fmt_bytes(r["copy_bytes"]),
+        ]
+        for r in disp
+      ],
+    ),
+    "",
+  ]
+
+
+def _within_tables(res: dict[str, Any]) -> list[str]:
   within = [r for r in res.get("within", []) if "case" not in r]
+  if not within:
+    return []
+  info = res["meta"].get("within_model", {})
+  return [
+    f"## Within-step: global batch {info.get('global_batch', '?')}, {info.get('name', '')} "
+    f"({info.get('params', 0):,} params)",
+    "",
+    "### Time",
+    "",
+    _table(
+      ["k", "micro-batch", "contender", "µs / example", "spread", "× large", "× optax"],
+      [
+        [
+          r["k"],
+          r["micro_batch"],
+          r["contender"],
+          f"{r['time_per_example']['median_s'] * 1e6:.2f}",
+          f"±{r['time_per_example']['iqr_rel'] * 50:.0f}%",
+          f"{r['ratio_vs_large']:.2f}",
+          f"{r['ratio_vs_optax']:.2f}",
+        ]
+        for r in within
+      ],
+    ),
+    "",
+    "### Memory and compiled program",
+    "",
+    _table(
+      ["k", "contender", "peak", "peak / large", "target", "compile s", "loops"],
+      [
+        [
+          r["k"],
+          r["contender"],
+          fmt_bytes(r["peak_bytes"]),
+          f"{r['peak_vs_large']:.3f}",
+          f"{r['peak_target']:.3f}",
+          f"{r['compile_s']:.2f}",
+          r["hlo"]["whiles"],
+        ]
+        for r in within
+      ],
+    ),
+    "",
+    "*target*: 1/k + (one gradient buffer)/(large-batch peak) + 5%. The Python loop's peak is "
+    "its micro-step program's; its compile time does not grow with k either (one program, k "
+    "dispatches).",
+    "",
+  ]
+
+
+def _padded(res: dict[str, Any]) -> list[str]:
   padded = [r for r in res.get("within", []) if r.get("case") == "padded"]
-  if within:
-    info = res["meta"].get("within_model", {})
-    parts += [
-      f"## Within-step: global batch {info.get('global_batch', '?')}, {info.get('name', '')} "
-      f"({info.get('params', '?'):,} params)",
-      "",
-      _table(
+  if not padded:
+    return []
+  return [
+    "## Within-step: a padded last batch (n of k micro-batches real)",
+    "",
+    "The same global batch, of which only the first n micro-batches hold real rows (the last, "
+    "partly empty batch of an epoch). `num_real_microbatches=n` is traced: one compiled "
+    "program serves every n, for both libraries (optax with `RUNNING_MEAN`, the mean over "
+    "the micro-batches that ran — its `MEAN` divides by k). Both agreed with the large batch "
+    "of the real rows before timing. *call / all real* is the time of one call at n over the "
+    "same program with all k real: n/k when the loop stops early.",
+    "",
+    _table(
+      [
+        "n/k",
+        "contender",
+        "µs / real example",
+        "× large (real rows)",
+        "× optax",
+        "call / all real",
+      ],
+      [
         [
-          "k",
-          "micro-batch",
-          "contender",
-          "µs / example",
-          "spread",
-          "× large",
-          "× optax",
-          "peak",
-          "peak / large",
-          "target",
-          "compile s",
-          "while loops",
-        ],
-        [
-          [
-            r["k"],
-            r["micro_batch"],
-            r["contender"],
-            f"{r['time_per_example']['median_s'] * 1e6:.2f}",
-            f"±{r['time_per_example']['iqr_rel'] * 50:.0f}%",
-            f"{r['ratio_vs_large']:.2f}",
-            f"{r['ratio_vs_optax']:.2f}",
-            fmt_bytes(r["peak_bytes"]),
-            f"{r['peak_vs_large']:.3f}",
-            f"{r['peak_target']:.3f}",
-            f"{r['compile_s']:.2f}",
-            r["hlo"]["whiles"],
-          ]
-          for r in within
-        ],
-      ),
-      "",
-      "The Python loop's peak is its micro-step program's; its compile time does not grow "
-      "with k either (one program, k dispatches).",
-      "",
-    ]
-  if padded:
-    parts += [
-      "## Within-step: a padded last batch (n of k micro-batches real)",
-      "",
-      "The same global batch, of which only the first n micro-batches hold real rows (the last, "
-      "partly empty batch of an epoch). `num_real_microbatches=n` is traced: one compiled "
-      "program serves every n, for both libraries (optax with `RUNNING_MEAN`, the mean over "
-      "the micro-batches that ran — its `MEAN` divides by k). Both agreed with the large batch "
-      "of the real rows before timing. *call / all real* is the time of one call at n over the "
-      "same program with all k real: n/k when the loop stops early.",
-      "",
-      _table(
-        [
-          "n/k",
-          "contender",
-          "µs / real example",
-          "× large (real rows)",
-          "× optax",
-          "call / all real",
-        ],
-        [
-          [
-            f"{r['num_real']}/{r['k']}",
-            r["contender"].split(",")[0],
-            f"{r['time_per_example']['median_s'] * 1e6:.2f}",
-            f"{r['ratio_vs_large']:.2f}",
-            f"{r['ratio_vs_optax']:.2f}",
-            "–" if r.get("call_vs_all_real") is None else f"{r['call_vs_all_real']:.2f}",
-          ]
-          for r in padded
-        ],
-      ),
-      "",
-    ]
+          f"{r['num_real']}/{r['k']}",
+          r["contender"].split(",")[0],
+          f"{r['time_per_example']['median_s'] * 1e6:.2f}",
+          f"{r['ratio_vs_large']:.2f}",
+          f"{r['ratio_vs_optax']:.2f}",
+          "–" if r.get("call_vs_all_real") is None else f"{r['call_vs_all_real']:.2f}",
+        ]
+        for r in padded
+      ],
+    ),
+    "",
+  ]
+
+
+def _precision(res: dict[str, Any]) -> list[str]:
   prec = res.get("precision", [])
-  if prec:
-    parts += [
-      "## Precision: bf16 gradients, mean of k micro-batches",
-      "",
-      "Relative L2 error of the (bf16) result against the float64 mean of the same bf16 "
-      "gradients; the floor is that exact mean rounded to bf16.",
-      "",
-      _table(
-        ["k", "contender", "rel. L2 error", "max abs error", "× floor"],
+  if not prec:
+    return []
+  return [
+    "## Precision: bf16 gradients, mean of k micro-batches",
+    "",
+    "Relative L2 error of the (bf16) result against the float64 mean of the same bf16 "
+    "gradients; the floor is that exact mean rounded to bf16.",
+    "",
+    _table(
+      ["k", "contender", "rel. L2 error", "max abs error", "× floor"],
+      [
         [
-          [
-            r["k"],
-            r["contender"],
-            f"{r['rel_l2']:.2e}",
-            f"{r['max_abs']:.2e}",
-            f"{r['vs_floor']:.2f}" if "vs_floor" in r else "1",
-          ]
-          for r in prec
-        ],
-      ),
-      "",
-    ]
+          r["k"],
+          r["contender"],
+          f"{r['rel_l2']:.2e}",
+          f"{r['max_abs']:.2e}",
+          f"{r['vs_floor']:.2f}" if "vs_floor" in r else "1",
+        ]
+        for r in prec
+      ],
+    ),
+    "",
+  ]
+
+
+def _opt(r: dict[str, Any], key: str, fmt: str = "{:.0f}") -> str:
+  return "–" if r.get(key) is None else fmt.format(r[key])
+
+
+def _distributed(res: dict[str, Any]) -> list[str]:
   dist = res.get("distributed", [])
-  if dist:
+  if not dist:
+    return []
+  timed = [r for r in dist if r.get("time_per_update_s") is not None]
+  parts = [
+    f"## Distributed: {dist[0]['devices']} devices, collectives per optimizer update",
+    "",
+    "Counted in the optimised HLO; an all-reduce inside a conditional branch runs once per "
+    "window, one inside a loop body once per micro-batch, one in a per-micro-step program "
+    "on every micro-step. *gradient-sized*: reductions whose result holds at least 1 KiB "
+    "(a loss or a total weight is a few bytes; `TrainStep(axis_name)` averages its loss "
+    "over the devices on every micro-step). Plain-jit rows (GSPMD, no hand-written "
+    f"`shard_map`) name the mesh's axis type; FSDP rows shard the parameters over the data "
+    f"axis. Parameters: {fmt_bytes(dist[0]['param_bytes'])}.",
+    "",
+    _table(
+      ["section", "k", "contender", "all-reduces", "gradient-sized", "all-gathers", "bytes"],
+      [
+        [
+          r["section"],
+          r["k"],
+          r["contender"],
+          f"{r['all_reduce_ops']:.0f}",
+          _opt(r, "gradient_reductions"),
+          _opt(r, "all_gather_ops"),
+          fmt_bytes(r.get("bytes")),
+        ]
+        for r in dist
+      ],
+    ),
+    "",
+  ]
+  if timed:
     parts += [
-      f"## Distributed: {dist[0]['devices']} devices, all-reduces per optimizer update",
+      "### Plain jit: time per update",
       "",
-      "Counted in the optimised HLO; an all-reduce inside a conditional branch runs once per "
-      "window, one inside a loop body once per micro-batch, one in a per-micro-step program "
-      "on every micro-step. *gradient-sized*: reductions whose result holds at least 1 KiB "
-      "(a loss or a total weight is a few bytes; `TrainStep(axis_name)` averages its loss "
-      "over the devices on every micro-step). Plain-jit rows (GSPMD, no hand-written "
-      "`shard_map`) name the mesh's axis type; FSDP rows shard the parameters over the data "
-      "axis.",
+      "The naive scans receive their micro-batches already laid out (k, rows, …) by the "
+      "caller, so no contender pays for a transpose of the batch inside the timed program.",
       "",
       _table(
-        [
-          "section",
-          "k",
-          "contender",
-          "all-reduces / update",
-          "of them gradient-sized",
-          "all-gathers / update",
-          "bytes all-reduced / update",
-          "ms / update",
-          "param bytes",
-        ],
+        ["section", "k", "contender", "ms / update", "spread"],
         [
           [
             r["section"],
             r["k"],
             r["contender"],
-            f"{r['all_reduce_ops']:.0f}",
-            "–" if r.get("gradient_reductions") is None else f"{r['gradient_reductions']:.0f}",
-            "–" if r.get("all_gather_ops") is None else f"{r['all_gather_ops']:.0f}",
-            fmt_bytes(r.get("bytes")),
-            "–" if r.get("time_per_update_s") is None else _ms(r["time_per_update_s"]),
-            fmt_bytes(r["param_bytes"]),
-          ]
-          for r in dist
+            _ms(r["time_per_update_s"]),
+            f"±{(r.get('iqr_rel') or 0) * 50:.0f}%",
+          ]  # fmt: skip
+          for r in timed
         ],
       ),
       "",
     ]
+  return parts + _fsdp(dist)
+
+
+def _fsdp(dist: list[dict[str, Any]]) -> list[str]:
   fsdp = [r for r in dist if r["section"] == "fsdp"]
-  if fsdp:
-    parts += [
-      "### FSDP: memory per device of the two choices",
-      "",
-      "Parameters and Adam state sharded over the data axis. *defer*: one reduction per "
-      "update, a full-size accumulator on every device; *per micro-batch/step*: GSPMD reduces "
-      "every micro-batch into an accumulator sharded like the parameters (on CPU an all-reduce "
-      "and a slice, not a true reduce-scatter). XLA's memory analysis, per device.",
-      "",
-      _table(
-        ["k", "choice", "params / device", "state / device", "temp", "peak"],
+  if not fsdp:
+    return []
+  return [
+    "### FSDP: memory per device of the two choices",
+    "",
+    "Parameters and Adam state sharded over the data axis. *defer*: one reduction per "
+    "update, a full-size accumulator on every device; *per micro-batch/step*: GSPMD reduces "
+    "every micro-batch into an accumulator sharded like the parameters (on CPU an all-reduce "
+    "and a slice, not a true reduce-scatter). XLA's memory analysis, per device.",
+    "",
+    _table(
+      ["k", "choice", "params / device", "state / device", "temp", "peak"],
+      [
         [
-          [
-            r["k"],
-            r["contender"],
-            fmt_bytes(r.get("param_bytes_per_device")),
-            fmt_bytes(r.get("state_bytes_per_device")),
-            fmt_bytes(r.get("temp_bytes")),
-            fmt_bytes(r.get("peak_bytes")),
-          ]
-          for r in fsdp
-        ],
-      ),
-      "",
+          r["k"],
+          r["contender"],
+          fmt_bytes(r.get("param_bytes_per_device")),
+          fmt_bytes(r.get("state_bytes_per_device")),
+          fmt_bytes(r.get("temp_bytes")),
+          fmt_bytes(r.get("peak_bytes")),
+        ]
+        for r in fsdp
+      ],
+    ),
+    "",
+  ]
+
+
+def _targets(res: dict[str, Any]) -> list[str]:
+  if not res.get("targets"):
+    return []
+  return [
+    "## Against the project's targets",
+    "",
+    "The figures the project holds itself to (listed in `CONTRIBUTING.md`, Benchmark "
+    "protocol), with this run's value. *no* marks a target this run did not reach; a ratio "
+    "to plain Adam also depends on the baseline (see the summary's note on page faults).",
+    "",
+    _table(
+      ["figure", "target", "measured", "reached"],
+      [[t["figure"], t["target"], t["measured"], _verdict(t["ok"])] for t in res["targets"]],
+    ),
+    "",
+  ]
+
+
+def markdown(res: dict[str, Any]) -> str:
+  """The results page: summary first, then each section's tables, the targets last."""
+  parts = _header(res) + _summary(res) + _cross_tables(res) + _emission(res)
+  parts += _within_tables(res) + _padded(res) + _precision(res) + _distributed(res)
+  return "\n".join(parts + _targets(res))
+
+
+PLOT_STYLE = {
+  "font.size": 13,
+  "axes.titlesize": 14,
+  "axes.labelsize": 13,
+  "xtick.labelsize": 12,
+  "ytick.labelsize": 12,
+  "legend.fontsize": 12,
+}
+
+
+def _legend_below(fig, ax, ncol: int = 2) -> None:
+  """One legend for the figure, under the axes: it never covers a bar or a line."""
+  handles, labels = ax.get_legend_handles_labels()
+  fig.legend(handles, labels, loc="lower center", ncol=ncol, frameon=False)
+
+
+def _bars(ax, rows, names, ks, key, scale=1.0) -> None:
+  width = 0.8 / len(names)
+  for i, n in enumerate(names):
+    vals = [
+      next((r[key] * scale for r in rows if r["k"] == k and r["contender"] == n), 0) for k in ks
     ]
-  return "\n".join(parts)
+    ax.bar([j + i * width for j in range(len(ks))], vals, width, label=n)
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [f"k = {k}" for k in ks])
+
+
+def _save(fig, out: Path, name: str, rows_of_legend: int) -> str:
+  # Room under the axes for the legend: about 0.3 inch per legend row.
+  fig.tight_layout(rect=(0, min(0.45, 0.3 * rows_of_legend / fig.get_figheight()), 1, 1))
+  fig.savefig(out / name, dpi=100)
+  return name
+
+
+def _cross_plot(plt, res, model, out: Path) -> str:
+  rs = [r for r in res["cross"] if r["model"] == model]
+  ks = sorted({r["k"] for r in rs})
+  names = list(dict.fromkeys(r["contender"] for r in rs))
+  fig, axes = plt.subplots(1, 2, figsize=(13, 5.5 + 0.3 * len(names) / 2))
+  _bars(axes[0], rs, names, ks, "ratio_vs_adam")
+  _bars(axes[1], rs, names, ks, "temp_bytes", 1e-6)
+  axes[0].axhline(1.0, color="k", lw=1)
+  axes[0].set_ylabel("time per micro-step / plain Adam")
+  axes[0].set_title("time (lower is faster)")
+  axes[1].axhline(MMAP_THRESHOLD / 1e6, color="r", lw=1, ls="--")
+  axes[1].set_ylabel("compiled temp, MB (donated)")
+  axes[1].set_title("temp memory (red: glibc's 32 MiB mmap threshold)")
+  _legend_below(fig, axes[0])
+  fig.suptitle(f"Cross-step: {_model_title(res, model)}, {res['meta']['backend']}")
+  name = _save(fig, out, f"cross_{model}.png", -(-len(names) // 2))
+  plt.close(fig)
+  return name
+
+
+def _within_plot(plt, res, out: Path) -> str:
+  within = [r for r in res["within"] if "case" not in r]
+  fig, axes = plt.subplots(1, 3, figsize=(15, 5.5))
+  names = list(dict.fromkeys(r["contender"] for r in within))
+  for n in names:
+    rs = [r for r in within if r["contender"] == n]
+    ks = [r["k"] for r in rs]
+    axes[0].plot(ks, [r["time_per_example"]["median_s"] * 1e6 for r in rs], "o-", label=n)
+    axes[1].plot(ks, [r["peak_bytes"] / 1e6 for r in rs], "o-", label=n)
+    axes[2].plot(ks, [r["compile_s"] for r in rs], "o-", label=n)
+  for ax, label in zip(axes, ("µs per example", "compiled peak, MB", "compile s"), strict=True):
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k micro-batches")
+    ax.set_ylabel(label)
+  axes[1].set_yscale("log")
+  _legend_below(fig, axes[0])
+  info = res["meta"].get("within_model", {})
+  fig.suptitle(
+    f"Within one step: global batch {info.get('global_batch', '?')}, {info.get('name', '')}, "
+    f"{res['meta']['backend']}"
+  )
+  name = _save(fig, out, "within.png", -(-len(names) // 2))
+  plt.close(fig)
+  return name
+
+
+def _precision_plot(plt, res, out: Path) -> str:
+  prec = res["precision"]
+  ks = sorted({r["k"] for r in prec})
+  names = list(dict.fromkeys(r["contender"] for r in prec))
+  fig, ax = plt.subplots(figsize=(11, 5.5))
+  _bars(ax, prec, names, ks, "rel_l2")
+  ax.set_yscale("log")
+  ax.set_ylabel("relative L2 error vs float64")
+  _legend_below(fig, ax)
+  ax.set_title(f"bf16 gradients: the accumulator's precision ({res['meta']['backend']})")
+  name = _save(fig, out, "precision.png", -(-len(names) // 2))
+  plt.close(fig)
+  return name
 
 
 def plots(res: dict[str, Any], out: Path) -> list[str]:
@@ -478,77 +706,13 @@ def plots(res: dict[str, Any], out: Path) -> list[str]:
   import matplotlib.pyplot as plt
 
   files = []
-  backend = res["meta"]["backend"]
-  cross = res.get("cross", [])
-  for model in dict.fromkeys(r["model"] for r in cross):
-    rs = [r for r in cross if r["model"] == model]
-    ks = sorted({r["k"] for r in rs})
-    names = list(dict.fromkeys(r["contender"] for r in rs))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-      for ax, key, scale in ((axes[0], "ratio_vs_adam", 1), (axes[1], "temp_bytes", 1e-6)):
-        vals = [
-          next((r[key] * scale for r in rs if r["k"] == k and r["contender"] == n), 0) for k in ks
-        ]
-        ax.bar([j + i * width for j in range(len(ks))], vals, width, label=n)
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].axhline(0.95, color="g", lw=0.8, ls="--")
-    axes[0].set_ylabel("time per micro-step / plain adam")
-    axes[1].set_ylabel("compiled temp MB (donated)")
-    for ax in axes:
-      ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [f"k={k}" for k in ks])
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"cross-step, {model} ({backend})")
-    fig.tight_layout()
-    f = out / f"cross_{model}.png"
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f.name)
-  within = [r for r in res.get("within", []) if "case" not in r]
-  if within:
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for n in dict.fromkeys(r["contender"] for r in within):
-      rs = [r for r in within if r["contender"] == n]
-      ks = [r["k"] for r in rs]
-      axes[0].plot(ks, [r["time_per_example"]["median_s"] * 1e6 for r in rs], "o-", label=n)
-      axes[1].plot(ks, [r["peak_bytes"] / 1e6 for r in rs], "o-", label=n)
-      axes[2].plot(ks, [r["compile_s"] for r in rs], "o-", label=n)
-    axes[0].set_ylabel("µs per example")
-    axes[1].set_ylabel("compiled peak MB")
-    axes[1].set_yscale("log")
-    axes[2].set_ylabel("compile s")
-    for ax in axes:
-      ax.set_xscale("log", base=2)
-      ax.set_xlabel("k micro-batches (fixed global batch)")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"within-step ({backend})")
-    fig.tight_layout()
-    f = out / "within.png"
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f.name)
-  prec = res.get("precision", [])
-  if prec:
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    ks = sorted({r["k"] for r in prec})
-    names = list(dict.fromkeys(r["contender"] for r in prec))
-    width = 0.8 / len(names)
-    for i, n in enumerate(names):
-      vals = [
-        next((r["rel_l2"] for r in prec if r["k"] == k and r["contender"] == n), 0) for k in ks
-      ]
-      ax.bar([j + i * width for j in range(len(ks))], vals, width, label=n)
-    ax.set_yscale("log")
-    ax.set_ylabel("relative L2 error vs float64")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ks))], [f"k={k}" for k in ks])
-    ax.legend(fontsize=7)
-    ax.set_title(f"bf16 gradients: accumulator precision ({backend})")
-    fig.tight_layout()
-    f = out / "precision.png"
-    fig.savefig(f, dpi=110)
-    plt.close(fig)
-    files.append(f.name)
+  with plt.rc_context(PLOT_STYLE):
+    for model in dict.fromkeys(r["model"] for r in res.get("cross", [])):
+      files.append(_cross_plot(plt, res, model, out))
+    if any("case" not in r for r in res.get("within", [])):
+      files.append(_within_plot(plt, res, out))
+    if res.get("precision"):
+      files.append(_precision_plot(plt, res, out))
   return files
 
 

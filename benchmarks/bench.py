@@ -1,7 +1,7 @@
 """optax_accum benchmarks: every contender side by side in one run, tables and plots.
 
-    python benchmarks/bench.py                      # CPU defaults: a few minutes on 2 cores
-    python benchmarks/bench.py --quick              # tiny sizes: checks the harness (~1 min)
+    python benchmarks/bench.py                      # CPU defaults (see "How long" below)
+    python benchmarks/bench.py --quick              # tiny sizes: checks the harness end to end
     python benchmarks/bench.py --scale gpu          # larger sizes for a GPU/TPU
     python benchmarks/bench.py --only cross,within  # some sections only
 
@@ -11,8 +11,13 @@ optax.microbatching vs a Python loop vs the large batch), `precision` (bf16 accu
 `emission` (dispatch share of each emission strategy; part of `cross`), `distributed`
 (all-reduces per update on 8 host devices, in a subprocess).
 
+How long: `--quick` took 4 min 10 s and `--quick --only cross` 1 min 15 s on a 2-core CPU
+shared with other jobs (2026-12-01); the CPU defaults take 15-25 min there (the committed run's
+header records its own total). An idle machine is faster.
+
 Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out),
-and prints the backend and device it ran on. See BENCHMARKS.md for the protocol.
+and prints the backend and device it ran on. The protocol (what is measured and how) is in
+CONTRIBUTING.md, "Benchmark protocol", and on the docs' Benchmarks page.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ SCALES = {
   "quick": {
     "cross_models": [
       (("mlp", (64, 128, 128, 10)), 8),
+      (("mlp", (64, 96, 96, 96, 10)), 8),
       (("transformer", (64, 32, 1, 2, 16)), 4),
     ],
     "ks": (1, 4),
@@ -59,11 +65,15 @@ SCALES = {
     "dist_ks": (4, 16),
     "dist_micro": 4,
   },
-  # CPU defaults: an MLP of ~10M parameters at micro-batch 64 (DESIGN.md's measurement) and a
-  # small transformer; an activation-dominated MLP for the within-step memory figures.
+  # CPU defaults: two MLPs of ~10M parameters at micro-batch 64 and a small transformer; an
+  # activation-dominated MLP for the within-step memory figures. Two MLP shapes because a ratio
+  # to plain Adam depends on Adam's own temp: on 784-2048^3-10 it is 35.7 MB, above glibc's
+  # 32 MiB mmap threshold, so the baseline pays ~8.7k page faults per step and every ratio
+  # against it looks better; on 784-1600^4-10 it is 21.9 MiB (no faults).
   "cpu": {
     "cross_models": [
       (("mlp", (784, 2048, 2048, 2048, 10)), 64),
+      (("mlp", (784, 1600, 1600, 1600, 1600, 10)), 64),
       (("transformer", (256, 128, 2, 4, 64)), 8),
     ],
     "ks": (1, 4, 16),
@@ -106,11 +116,23 @@ SCALES = {
 }
 
 
-def build_model(spec):
+def build_model(spec, name: str | None = None):
   kind, args = spec
   if kind == "mlp":
-    return _models.mlp(tuple(args), name="mlp")
+    return _models.mlp(tuple(args), name=name or "mlp")
   return _models.transformer(*args, name="transformer")
+
+
+def cross_models(cfg: dict) -> list:
+  """[(model, micro-batch)]: the first MLP is `mlp`, a further one `mlp_<width>x<depth>`."""
+  out = []
+  for spec, micro in cfg["cross_models"]:
+    name = None
+    if spec[0] == "mlp" and any(m.name == "mlp" for m, _ in out):
+      hidden = spec[1][1:-1]
+      name = f"mlp_{hidden[0]}x{len(hidden)}"
+    out.append((build_model(spec, name), micro))
+  return out
 
 
 def run_distributed(cfg: dict, log) -> list[dict]:
@@ -144,6 +166,17 @@ def run_distributed(cfg: dict, log) -> list[dict]:
   return rows
 
 
+def render(out: Path) -> None:
+  """Rewrites a committed run's report (tables, plots) from its results.json."""
+  res = json.loads((out / "results.json").read_text())
+  # Runs recorded before the models described themselves: describe them from the config.
+  models = cross_models(res["meta"]["config"])
+  for model, _ in models:
+    res["meta"]["models"].get(model.name, {}).setdefault("shape", model.shape)
+  files = _report.write(res, out)
+  print(f"rewrote {', '.join(files)} in {out}")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -158,7 +191,15 @@ def main(argv=None):
   ap.add_argument(
     "--out", default=None, help="output folder (default benchmarks/results/<backend>)"
   )
+  ap.add_argument(
+    "--render",
+    metavar="DIR",
+    default=None,
+    help="measure nothing: rewrite DIR/results.md and the plots from DIR/results.json",
+  )
   args = ap.parse_args(argv)
+  if args.render:
+    return render(Path(args.render))
   scale = "quick" if args.quick else (args.scale or "cpu")
   cfg = SCALES[scale]
   only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -181,7 +222,7 @@ def main(argv=None):
 
   from tqdm import tqdm
 
-  models = [(build_model(spec), micro) for spec, micro in cfg["cross_models"]]
+  models = cross_models(cfg)
   total = 0
   if "cross" in only:
     total += len(models) * sum(
@@ -213,7 +254,11 @@ def main(argv=None):
     res["cross"] = []
     for model, micro in models:
       params = model.init(jax.random.key(0))
-      res["meta"]["models"][model.name] = {"params": _models.num_params(params), "micro": micro}
+      res["meta"]["models"][model.name] = {
+        "params": _models.num_params(params),
+        "micro": micro,
+        "shape": model.shape,
+      }
       mcfg = dict(cfg, micro=micro)
       res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=log)
   if "within" in only:

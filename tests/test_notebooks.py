@@ -37,18 +37,51 @@ def test_notebooks_tour_is_committed_with_outputs_and_matches_its_builder():
   )
 
 
-def test_notebooks_tour_executes():
-  nb = copy.deepcopy(nbformat.read(TOUR, as_version=4))
+def _errors(nb) -> list[str]:
+  """Each error output of an executed notebook: the cell's first line, the exception."""
+  return [
+    f"cell {c.source.splitlines()[0] if c.source else ''!r}: {o.ename}: {o.evalue}"
+    for c in nb.cells
+    if c.cell_type == "code"
+    for o in c.get("outputs", [])
+    if o.output_type == "error"
+  ]
+
+
+def _execute(nb):
+  """Runs every cell of `nb` in a fresh kernel, recording errors as outputs (not raising), so
+  that one run reports every failing cell."""
+  nb = copy.deepcopy(nb)
   for cell in nb.cells:
     if cell.cell_type == "code":
       cell.outputs, cell.execution_count = [], None
-  client = NotebookClient(
-    nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOKS)}}
+  NotebookClient(
+    nb,
+    timeout=240,
+    kernel_name="python3",
+    allow_errors=True,
+    resources={"metadata": {"path": str(NOTEBOOKS)}},
+  ).execute()
+  return nb
+
+
+def test_notebooks_errors_finds_a_failing_cell():
+  # Positive control for the check below: a cell that raises is reported, the rest run on.
+  nb = nbformat.v4.new_notebook(
+    cells=[
+      nbformat.v4.new_code_cell("raise ValueError('boom')"),
+      nbformat.v4.new_code_cell("print('after')"),
+    ]
   )
-  client.execute()  # raises CellExecutionError, with the cell and traceback, on any error
-  errors = [
-    o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
-  ]
-  assert not errors
+  nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+  executed = _execute(nb)
+  assert _errors(executed) == ["cell \"raise ValueError('boom')\": ValueError: boom"]
+  assert executed.cells[1].outputs[0]["text"] == "after\n"
+
+
+def test_notebooks_tour_executes():
+  nb = _execute(nbformat.read(TOUR, as_version=4))
+  errors = _errors(nb)
+  assert not errors, "notebooks/tour.ipynb: cells raised:\n" + "\n".join(errors)
   images = sum("image/png" in o.get("data", {}) for c in nb.cells for o in c.get("outputs", []))
   assert images >= 3
