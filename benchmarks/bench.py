@@ -15,7 +15,8 @@ How long: `--quick` took 4 min 10 s and `--quick --only cross` 1 min 15 s on a 2
 shared with other jobs (2026-12-01); the CPU defaults take 15-25 min there (the committed run's
 header records its own total). An idle machine is faster.
 
-Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out),
+Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out;
+--quick: benchmarks/results/tmp/<backend>-quick/, ignored by git),
 and prints the backend and device it ran on. The protocol (what is measured and how) is in
 CONTRIBUTING.md, "Benchmark protocol", and on the docs' Benchmarks page.
 """
@@ -216,7 +217,8 @@ def main(argv=None):
   out = (
     Path(args.out)
     if args.out
-    else ROOT / "benchmarks" / "results" / (backend if scale != "quick" else f"{backend}-quick")
+    # A quick run checks the harness: its figures go to the ignored tmp/ folder.
+    else ROOT / "benchmarks" / "results" / (backend if scale != "quick" else f"tmp/{backend}-quick")
   )
   print(f"backend: {backend} · device: {device_kind} × {jax.device_count()} · scale: {scale}")
 

@@ -18,7 +18,10 @@ the comment beside them in the source, instead of autodoc's "Alias for field num
 
 At ``config-inited`` the files that live outside ``docs/`` (the notebook, the benchmark
 results) are copied into ``docs/_generated/``, which git ignores: Sphinx only reads sources
-under its source directory, and a copy keeps one committed original of each.
+under its source directory, and a copy keeps one committed original of each. For each
+backend's committed run, ``_generated/benchmarks/<backend>/figures.inc`` lists its plots as
+MyST figures, captioned from its ``results.json`` (the Benchmarks page includes it), so a
+plot added by a new run appears without editing the page.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import filecmp
 import importlib
 import inspect
+import json
 import pathlib
 import re
 import shutil
@@ -210,10 +214,40 @@ def copy_outside_sources(app: Sphinx, config: Any) -> None:
     _copy_if_changed(src, dst)
   if GENERATED.exists():  # drop copies whose original is gone
     for stale in sorted(GENERATED.rglob("*"), reverse=True):
-      if stale.is_file() and stale not in wanted:
+      if stale.is_file() and stale not in wanted and stale.name != "figures.inc":
         stale.unlink()
       elif stale.is_dir() and not any(stale.iterdir()):
         stale.rmdir()
+  for results in sorted((ROOT / "benchmarks" / "results").glob("*/results.json")):
+    backend = results.parent.name
+    text = _figures(json.loads(results.read_text()), backend, sorted(results.parent.glob("*.png")))
+    dst = GENERATED / "benchmarks" / backend / "figures.inc"
+    if not dst.exists() or dst.read_text() != text:  # unchanged: Sphinx need not re-read
+      dst.parent.mkdir(parents=True, exist_ok=True)
+      dst.write_text(text)
+
+
+def _figures(res: dict[str, Any], backend: str, pngs: list[pathlib.Path]) -> str:
+  """MyST figures for a run's plots, paths relative to ``docs/``, captions from its meta."""
+  models = res["meta"].get("models", {})
+  within = res["meta"].get("within_model", {})
+  captions = {
+    f"cross_{name}": f"Cross-step, {m.get('shape', name)} ({m['params']:,} parameters, "
+    f"micro-batch {m['micro']}): time per micro-step against plain Adam, and compiled temp."
+    for name, m in models.items()
+  }
+  captions["within"] = (
+    f"Within one step, global batch {within.get('global_batch', '?')}, "
+    f"{within.get('name', '')}: time per example, compiled peak and compile time against k."
+  )
+  captions["precision"] = "bf16 gradients: error of each accumulator against the float64 mean."
+  order = [*captions]  # cross-step models in run order, then within, then precision
+  out = []
+  for png in sorted(pngs, key=lambda f: order.index(f.stem) if f.stem in order else len(order)):
+    caption = captions.get(png.stem, png.stem)
+    path = f"_generated/benchmarks/{backend}/{png.name}"
+    out += [f"```{{figure}} {path}", f":alt: {caption}", "", caption, "```", ""]
+  return "\n".join(out)
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
