@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,13 +36,23 @@ shape_bytes = _hlo.shape_bytes
 
 @dataclass
 class Program:
-  """One compiled program: callable, compile seconds, memory (`memory`), HLO stats, HLO text."""
+  """One compiled program and its compile seconds; its optimised HLO text, XLA's memory
+  accounting (`memory`) and what the HLO holds (`hlo_stats`) are read from it on first use."""
 
-  fn: Any
+  fn: Any  # a `jax.stages.Compiled`
   compile_s: float
-  memory: dict[str, int]
-  hlo: HloStats
-  text: str
+
+  @functools.cached_property
+  def text(self) -> str:
+    return self.fn.as_text()
+
+  @functools.cached_property
+  def memory(self) -> dict[str, int]:
+    return memory(self.fn)
+
+  @functools.cached_property
+  def hlo(self) -> HloStats:
+    return hlo_stats(self.text)
 
   def __call__(self, *args):
     return self.fn(*args)
@@ -51,9 +62,7 @@ def compile_lowered(lower: Callable[[], Any]) -> Program:
   """Compiles what `lower()` returns (a `jax.stages.Lowered`), timing lowering and compile."""
   t0 = time.perf_counter()
   compiled = lower().compile()
-  seconds = time.perf_counter() - t0
-  text = compiled.as_text()
-  return Program(compiled, seconds, memory(compiled), hlo_stats(text), text)
+  return Program(compiled, time.perf_counter() - t0)
 
 
 def compile_fn(

@@ -11,9 +11,12 @@ optax.microbatching vs a Python loop vs the large batch), `precision` (bf16 accu
 `emission` (dispatch share of each emission strategy; part of `cross`), `distributed`
 (all-reduces per update on 8 host devices, in a subprocess).
 
-How long: `--quick` took 4 min 10 s and `--quick --only cross` 1 min 15 s on a 2-core CPU
-shared with other jobs (2026-12-01); the CPU defaults take 15-25 min there (the committed run's
-header records its own total). An idle machine is faster.
+How long: measured on a 2-core CPU shared with other jobs (2026-12-01), `--quick` took 11 min
+35 s for the cross, within and precision sections (a docs build ran beside it for 6 of those
+minutes) and 4 min 47 s for `--quick --only distributed`; an earlier, less loaded measurement
+of the whole `--quick` took 3 min 14 s. The CPU defaults take several times longer: a run's
+`results.md` header records its total (650 s for the committed run, before the second MLP was
+added).
 
 Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out;
 --quick: benchmarks/results/tmp/<backend>-quick/, ignored by git),
