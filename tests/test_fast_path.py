@@ -156,10 +156,14 @@ def test_largest_finite_gradients_are_kept(dtype):
   tx = optax_accum.accumulate(optax.sgd(1.0), 4)
   state = tx.init(np.zeros(3, dtype))
   update = jax.jit(tx.update)
+  updates = []
   for i, g in enumerate(grads[:3]):
-    updates, state = update(g, state, np.zeros(3, dtype), force_emit=i == 1)
-  # Window 1: (big + 0) / 2; window 2 is still open after -big.
-  np.testing.assert_array_equal(np.asarray(updates), np.zeros(3, dtype))
+    u, state = update(g, state, np.zeros(3, dtype), force_emit=i == 1)
+    updates.append(np.asarray(u, np.float32))
+  # Window 1 closes on the second call: -(big + 0) / 2 (averaged in float32, so the sum does
+  # not overflow); window 2 is still open after -big: zeros.
+  np.testing.assert_array_equal(updates[1], np.full(3, -big / 2, np.float32))
+  np.testing.assert_array_equal(updates[2], np.zeros(3, np.float32))
   assert int(state.num_skipped) == 0
   first = jax.jit(tx.update, static_argnames="emit")
   u, s = first(grads[0], tx.init(np.zeros(3, dtype)), None, force_emit=True)
