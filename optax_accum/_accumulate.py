@@ -3,14 +3,17 @@
 `update_fn` strings small module-level pieces together, each taking its operands explicitly, so
 that `TrainStep` builds its two compiled programs from the very same pieces::
 
-    check_update → add → close_window (every k-th step) or keep_open → advance
+    check_update → add (+ add_noise) → close_window (every k-th step) or keep_open → advance
 
 * `add` — the micro-batch into the window's sums (`_core`; no accumulator when every_k == 1);
-* `close_window` — the window's sums across devices (`_collectives.reduce_window`, one
-  all-reduce), then the inner update unless the window is empty, *finished* (`Finish`) into
-  updates (the optax protocol) or into new parameters (`TrainStep`);
+  `add_noise` — with ``noise_scale=True`` only, its ``w|g|²`` into the noise statistics;
+* `close_window` — the window's sums, total weight (and noise partials) across devices in one
+  all-reduce (`cfg.axis`, resolved once: `_collectives.Axis` or `NO_AXIS`), then the inner
+  update unless the window is empty, *finished* (`Finish`) into updates (the optax protocol)
+  or into new parameters (`TrainStep`);
 * `keep_open` — a non-emitting step: no inner update at all;
-* `advance` — the next `AccumulateState`.
+* `advance` — the next `AccumulateState`, which records the open window's length
+  (`window_length`: a window finishes at the length it opened with).
 
 What makes the default path as fast as a plain optimizer step (measured on CPU, where large
 temporaries cost page faults on every call): the finite check reads each gradient once
@@ -32,10 +35,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives, _core
+from optax_accum import _checks, _collectives, _core, _noise
 from optax_accum._typing import AxisName, DType, Reduction
 
-EveryK = int | Callable[[jax.Array], Any]
+EveryK = int | Callable[[jax.Array], Any] | _noise.FollowNoiseScale
 
 
 class AccumulateState(NamedTuple):
@@ -121,6 +124,7 @@ class Config(NamedTuple):
   accum_dtype: jnp.dtype | None
   skip_nonfinite: bool
   axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
+  noise: bool  # keep the noise-scale statistics (`_noise`) in the state
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -146,13 +150,17 @@ def make_config(
   accum_dtype: Any,
   skip_nonfinite: bool,
   axis_name: AxisName | None,
+  noise_scale: bool = False,
 ) -> Config:
   """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
-  if not callable(every_k):
+  if not isinstance(noise_scale, bool):
+    raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
+  follows = isinstance(every_k, _noise.FollowNoiseScale)
+  if not callable(every_k) and not follows:
     every_k = _checks.positive_int(
       every_k,
       "every_k",
-      alternative=" or a callable gradient_step -> k",
+      alternative=", a callable gradient_step -> k or a FollowNoiseScale",
       maximum=_checks.MAX_WINDOW,
     )
   return Config(
@@ -162,11 +170,19 @@ def make_config(
     accum_dtype=_checks.accum_dtype(accum_dtype),
     skip_nonfinite=bool(skip_nonfinite),
     axis=_collectives.resolve(axis_name),
+    noise=noise_scale or follows,  # following the noise scale needs its statistics
   )
 
 
 def _check_window(cfg: Config, state: AccumulateState) -> None:
-  """Raises if the state was made for another window length (every_k == 1 keeps no sums)."""
+  """Raises if the state was made for another window length (every_k == 1 keeps no sums) or
+  with(out) the noise-scale statistics."""
+  if (state.noise is not None) != cfg.noise:
+    made, now = (f"noise_scale={state.noise is not None}", f"noise_scale={cfg.noise}")
+    raise ValueError(
+      f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
+      "state with the object that updates it: `tx.init(params)` or `step.init(params)`."
+    )
   if (state.acc_grads is None) == cfg.unaccumulated:
     return
   if state.acc_grads is None:
@@ -282,10 +298,13 @@ EMIT_FALSE_AT_1 = (
 )
 
 
-def _opening_length(every_k: EveryK, gradient_step: jax.Array) -> jax.Array:
-  """The length of a window that opens at `gradient_step` (schedules clamped to >= 1)."""
+def _opening_length(every_k: EveryK, gradient_step: jax.Array, decided: jax.Array) -> jax.Array:
+  """The length of a window that opens at `gradient_step` (schedules clamped to >= 1);
+  `FollowNoiseScale` takes the one `decided` when the last window closed (`next_length`)."""
   if isinstance(every_k, int):
     return jnp.asarray(every_k, jnp.int32)
+  if isinstance(every_k, _noise.FollowNoiseScale):
+    return decided
   k = jnp.asarray(every_k(gradient_step))
   if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
     raise TypeError(
@@ -294,11 +313,27 @@ def _opening_length(every_k: EveryK, gradient_step: jax.Array) -> jax.Array:
   return jnp.maximum(k.astype(jnp.int32), 1)
 
 
+def _first_length(every_k: EveryK) -> jax.Array:
+  """The first window's length: `every_k`, the schedule's value at step 0, or `min_k`."""
+  if isinstance(every_k, _noise.FollowNoiseScale):
+    return jnp.asarray(every_k.min_k, jnp.int32)
+  return _opening_length(every_k, jnp.zeros((), jnp.int32), None)
+
+
+def next_length(cfg: Config, k: jax.Array, noise: Any, emitting: Any) -> jax.Array:
+  """`window_k` after this micro-step: the open window's length `k`; when a window closes
+  under `FollowNoiseScale`, the next window's, decided from the noise statistics now (so a
+  host driver reads it once per update)."""
+  if not isinstance(cfg.every_k, _noise.FollowNoiseScale):
+    return k
+  return jnp.where(emitting, _noise.next_k(cfg.every_k, noise, k), k).astype(jnp.int32)
+
+
 def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
   """The open window's length: the one recorded in the state when it opened, or, for a window
   that opens now, the one in force (so a state from another `every_k`, or a schedule whose
   value changes mid-window, finishes its window at the length it opened with)."""
-  opening = _opening_length(cfg.every_k, state.gradient_step)
+  opening = _opening_length(cfg.every_k, state.gradient_step, state.window_k)
   return jnp.where(state.mini_step == 0, opening, state.window_k).astype(jnp.int32)
 
 
@@ -326,6 +361,17 @@ def add(
     total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
   return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
+
+
+def add_noise(
+  cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None, dropped: jax.Array
+) -> Any:
+  """This micro-batch's ``w|g|²`` into the open window's noise statistics (this device's part;
+  one more read of the gradient), or None without them."""
+  if not cfg.noise:
+    return None
+  ns = _with_partials(state.noise, cfg.axis.this_device(_noise.partials(state.noise)))
+  return _noise.add(ns, grads, weight, jnp.logical_not(dropped), restart=state.mini_step == 0)
 
 
 def update_types(
@@ -358,6 +404,16 @@ class Window(NamedTuple):
   inner_state: Any
   params: Any
   extra_args: dict
+  noise: Any = None  # this device's noise statistics (`add_noise`), or None
+
+
+class Closed(NamedTuple):
+  """What a micro-step's emission (or not) gives `advance`."""
+
+  out: Any  # the finished output (see `Finish`)
+  inner_state: Any
+  noise: Any  # the noise statistics: closed into the EMAs if the window closed, or None
+  applied: jax.Array  # bool scalar: the inner update ran
 
 
 class Finish(NamedTuple):
@@ -410,48 +466,82 @@ def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
   )
 
 
-def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, Any]:
-  """The inner update on the window's mean, finished (see `Finish`)."""
-  sums, total, inner_state, params, extra = window
+def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, ...]:
+  """The inner update on the window's mean, finished (see `Finish`); the window's noise
+  statistics closed (`window` holds the global sums, total and partials)."""
+  sums, total, inner_state, params, extra, noise = window
   g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  return finish.applied(updates, params, sums), optax.tree.cast_like(new_inner, inner_state)
+  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  return finish.applied(updates, params, sums), new_inner, _close_noise(noise, sums, total)
 
 
-def _no_update(finish: Finish, window: Window) -> tuple[Any, Any]:
-  return finish.empty(window.params, window.sums), window.inner_state
+def _close_noise(noise: Any, sums: Any, total: jax.Array) -> Any:
+  """The window's estimates into the noise EMAs: ``|ḡ|²`` of the mean ``Σ wᵢgᵢ / W`` from the
+  sums (one more read of them, on the emitting step only)."""
+  if noise is None:
+    return None
+  inv = 1 / jnp.where(total > 0, total, jnp.ones_like(total))
+  mean_sq = _noise.sq_norm(sums) * jnp.square(inv)
+  return _noise.close(noise, mean_sq, total, *_noise.partials(noise))
 
 
-def close_window(
-  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window
-) -> tuple[Any, Any, jax.Array]:
-  """The emitting step: one all-reduce across devices, then the inner update unless the window
-  holds no weight. Returns ``(finished output, inner state, applied)``.
+def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
+  return finish.empty(window.params, window.sums), window.inner_state, window.noise
+
+
+def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Window) -> Closed:
+  """The emitting step: one all-reduce across devices (the sums, the total weight and the
+  noise partials together), then the inner update unless the window holds no weight.
 
   `like` (the micro-batch gradients) is read only for its dtypes and device variance.
   `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
   inner optimizer with no conditional. The guard is a `lax.cond`, not a select: a select keeps
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
-  sums, total = cfg.axis.reduce_window(window.sums, window.total, like, cfg.normalisation)
-  window = window._replace(sums=sums, total=total)
+  local = window.noise
+  window = _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
-    return *apply(window), jnp.asarray(True)
-  applied = total > 0
-  return *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+    closed = Closed(*apply(window), jnp.asarray(True))
+  else:
+    applied = window.total > 0
+    closed = Closed(
+      *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+    )
+  # The noise partials stay this device's (spent: the next add restarts them).
+  return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
 
 
-def keep_open(finish: Finish, window: Window) -> tuple[Any, Any, jax.Array]:
+def _global(cfg: Config, window: Window, like: Any) -> Window:
+  """The window summed across devices: its sums, total weight and noise partials in ONE
+  all-reduce (`like`: the micro-batch gradients, for `reduce_window`)."""
+  scalars = (window.total, _noise_partials(window.noise))
+  sums, (total, partials) = cfg.axis.reduce_window(window.sums, scalars, like, cfg.normalisation)
+  return window._replace(sums=sums, total=total, noise=_with_partials(window.noise, partials))
+
+
+def _noise_partials(noise: Any) -> tuple:
+  return () if noise is None else _noise.partials(noise)
+
+
+def _with_partials(noise: Any, partials: tuple) -> Any:
+  """The noise statistics with these window partials ``(sq_sum, count)``; None stays None."""
+  if noise is None:
+    return None
+  return noise._replace(sq_sum=partials[0], count=partials[1])
+
+
+def keep_open(finish: Finish, window: Window) -> Closed:
   """A step that applies nothing: the inner optimizer untouched."""
-  return *_no_update(finish, window), jnp.asarray(False)
+  return Closed(*_no_update(finish, window), jnp.asarray(False))
 
 
 def emit_dynamic(
   cfg: Config, like: Any, finish: Finish, guard: bool, window: Window, emitting: Any
-) -> tuple[Any, Any, jax.Array]:
+) -> Closed:
   """Emission decided on the device: the inner update runs (`lax.cond`) only when it applies.
 
   Without an axis name the window's total is known here, so one conditional on ``emitting and
@@ -464,8 +554,8 @@ def emit_dynamic(
   applies = emitting & (window.total > 0) if guard else emitting
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
-    return *apply(window), jnp.asarray(True)
-  return *lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies
+    return Closed(*apply(window), jnp.asarray(True))
+  return Closed(*lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies)
 
 
 def advance(
@@ -474,25 +564,32 @@ def advance(
   sums: Any,
   total: jax.Array,
   dropped: jax.Array,
-  inner_state: Any,
+  closed: Closed,
   emitting: Any,
-  applied: Any,
 ) -> AccumulateState:
-  """The state after this micro-step (`emitting`, `applied`: bools or boolean scalars)."""
+  """The state after this micro-step (`emitting`: a bool or boolean scalar)."""
   axis = cfg.axis
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
+  applied, noise = closed.applied, closed.noise
+  k = window_length(cfg, state)
   return AccumulateState(
     mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
     gradient_step=jnp.where(
       applied, optax.safe_increment(state.gradient_step), state.gradient_step
     ).astype(jnp.int32),
-    window_k=window_length(cfg, state),
+    window_k=next_length(cfg, k, noise, emitting),
     acc_grads=None if cfg.unaccumulated else axis.per_device(sums),
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total),
     num_skipped=axis.per_device(skipped),
-    inner_state=inner_state,
+    inner_state=closed.inner_state,
     updated=jnp.asarray(applied, jnp.bool_),
+    noise=_per_device_noise(axis, noise),
   )
+
+
+def _per_device_noise(axis: Any, noise: Any) -> Any:
+  """The noise statistics as state: their window partials per device, like `acc_weight`."""
+  return _with_partials(noise, axis.per_device(_noise_partials(noise)))
 
 
 def _gradient_like(params: Any) -> Any:
@@ -512,12 +609,13 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   return AccumulateState(
     mini_step=jnp.zeros((), jnp.int32),
     gradient_step=jnp.zeros((), jnp.int32),
-    window_k=_opening_length(cfg.every_k, jnp.zeros((), jnp.int32)),
+    window_k=_first_length(cfg.every_k),
     acc_grads=acc,
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32)),
     num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
     inner_state=cfg.inner.init(params),
     updated=jnp.zeros((), jnp.bool_),
+    noise=_per_device_noise(axis, jax.tree.map(jnp.copy, _noise.init())) if cfg.noise else None,
   )
 
 
@@ -536,26 +634,24 @@ def update(
   grads = updates
   weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
   sums, total, dropped = add(cfg, grads, state, weight)
+  noise = add_noise(cfg, grads, state, weight, dropped)
   if cfg.unaccumulated:
     emit = True if cfg.axis.stacks else None  # every step closes its window
   types = update_types(cfg, grads, state.inner_state, params, extra_args, emit)
   in_acc = fits_accumulator(cfg, types, sums)
   finish = IN_ACCUMULATOR if in_acc else zeros_finish(types)
-  window = Window(sums, total, state.inner_state, params, extra_args)
+  window = Window(sums, total, state.inner_state, params, extra_args, noise)
   guard = can_be_empty(cfg, weight)
   if emit is None:
     emitting = True if cfg.unaccumulated else closes_window(cfg, state, force_emit)
-    out, inner_state, applied = emit_dynamic(cfg, grads, finish, guard, window, emitting)
+    closed = emit_dynamic(cfg, grads, finish, guard, window, emitting)
   else:
     emitting = emit
-    out, inner_state, applied = (
-      close_window(cfg, grads, finish, guard, window) if emit else keep_open(finish, window)
-    )
+    closed = close_window(cfg, grads, finish, guard, window) if emit else keep_open(finish, window)
+  updates = closed.out
   if in_acc:
-    sums, updates = out, protocol_updates(applied, out, types)
-  else:
-    updates = out
-  return updates, advance(cfg, state, sums, total, dropped, inner_state, emitting, applied)
+    sums, updates = closed.out, protocol_updates(closed.applied, closed.out, types)
+  return updates, advance(cfg, state, sums, total, dropped, closed, emitting)
 
 
 def closes_window(cfg: Config, state: AccumulateState, force_emit: Any) -> jax.Array:
@@ -590,6 +686,7 @@ def accumulate(
   accum_dtype: DType | None = jnp.float32,
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
+  noise_scale: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -620,6 +717,9 @@ def accumulate(
       its open window at that length; the next window takes the length in force then.
       every_k=1 is the same contract as every_k >= 2 with each window one micro-batch long
       (weights, drops, dtypes); it keeps no accumulator, so ``emit=False`` raises there.
+      ``optax_accum.FollowNoiseScale(...)``: each window's length follows the measured noise
+      scale (`optax_accum.noise_scale`), decided when the window before it closes and
+      recorded in `window_k`; it changes only at window boundaries. Implies `noise_scale`.
     reduction: "mean" divides the weighted sum ``Σ wᵢ gᵢ`` by the total weight ``Σ wᵢ``;
       "sum" keeps the weighted sum.
     accum_dtype: the accumulator's dtype (floating or complex). Each leaf accumulates in
@@ -635,6 +735,11 @@ def accumulate(
       differentiate with respect to ``jax.lax.pcast(params, axis_name, to="varying")``
       (already-reduced gradients warn). The accumulator is then per device (see
       `state_partition_specs`).
+    noise_scale: keep the statistics of the gradient noise scale in the state (`noise`: a few
+      float32 scalars, no parameter-sized memory): each micro-step adds ``wᵢ|gᵢ|²`` of a kept
+      micro-batch (one more read of its gradient), and the emitting step reduces those sums
+      in the all-reduce it makes anyway (scalars only) and reads the sums once more for
+      ``|ḡ|²``. Read them with `optax_accum.noise_scale(state)`. Default False: none of this.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
@@ -659,5 +764,5 @@ def accumulate(
   Array([-3.25, -3.25], dtype=float32)
   """
   return transformation(
-    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name)
+    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
   )

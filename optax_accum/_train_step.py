@@ -27,7 +27,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _checks, _gspmd, _sharding
+from optax_accum import _accumulate, _checks, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
@@ -60,7 +60,10 @@ class TrainStep:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
       the loss of one micro-batch.
     inner: the optimizer applied once per window.
-    every_k: the window length, a positive int (the host must know it).
+    every_k: the window length, a positive int (the host must know it), or a
+      `FollowNoiseScale` policy: each window's length is then decided on the device when the
+      window before it closes, from the noise statistics, and read back by the host once per
+      update (a scalar; that read waits for the emitting program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
@@ -89,6 +92,8 @@ class TrainStep:
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
       reduces every micro-step instead, into an accumulator sharded like the parameters.
     mesh: the mesh whose `axis_name` to bind; default the one in effect.
+    noise_scale: as for `accumulate`: keep the gradient noise-scale statistics in the state
+      (read them with `optax_accum.noise_scale(state)`); implied by `FollowNoiseScale`.
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
@@ -123,7 +128,7 @@ class TrainStep:
     self,
     loss_fn: Callable[..., Any],
     inner: optax.GradientTransformation,
-    every_k: int,
+    every_k: int | _noise.FollowNoiseScale,
     *,
     has_aux: bool = False,
     donate: bool = True,
@@ -134,17 +139,19 @@ class TrainStep:
     weight_fn: Callable[..., Any] | None = None,
     axis_name: AxisName | None = None,
     mesh: Any = None,
+    noise_scale: bool = False,
   ):
     if callable(every_k):
       raise TypeError(
-        "TrainStep: every_k must be a positive int known on the host, got "
-        f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
+        "TrainStep: every_k must be a positive int known on the host (or a FollowNoiseScale), "
+        f"got {every_k!r}. For a schedule of window lengths use `accumulate` directly."
       )
-    every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
+    if not isinstance(every_k, _noise.FollowNoiseScale):
+      every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
     if weight_fn is not None and not callable(weight_fn):
       raise TypeError(f"TrainStep: weight_fn must be callable or None, got {weight_fn!r}.")
     self._cfg = _accumulate.make_config(
-      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=axis_name
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale
     )
     axis = self._cfg.axis
     if grad_buffer and axis.stacks:
@@ -162,7 +169,8 @@ class TrainStep:
     # without one.
     self._pinned = not axis.stacks
     self._position: int | None = None  # micro-steps taken in the open window
-    self._window_k = every_k  # the open window's length (a restored state's may differ)
+    # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
+    self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
@@ -272,14 +280,15 @@ class TrainStep:
       weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
     weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
-    inner_state, applied = state.inner_state, False
+    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped)
+    window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
-      window = _accumulate.Window(sums, total, state.inner_state, params, {})
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
-      (params, sums), inner_state, applied = _accumulate.close_window(
-        cfg, grads, _accumulate.APPLY, can_be_empty, window
-      )
-    state = _accumulate.advance(cfg, state, sums, total, dropped, inner_state, emit, applied)
+      closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
+      params, sums = closed.out
+    else:
+      closed = _accumulate.keep_open(_accumulate.APPLY, window)
+    state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return params, state, grad_buffer, value
 
   def _buffer(self, params: Any, args: tuple) -> Any:
@@ -322,7 +331,7 @@ class TrainStep:
     )
     self._position = 0 if emit else self._position + 1
     if emit:
-      self._window_k = self.every_k
+      self._window_k = self._next_window_k(state)
     self._last_state = state
     return params, state, value
 
@@ -334,7 +343,15 @@ class TrainStep:
       raise TypeError(INSIDE_JIT)
     position, window_k = jax.device_get((state.mini_step, state.window_k))
     self._position = int(position)
-    self._window_k = int(window_k) if self._position else self.every_k
+    self._window_k = int(window_k) if self._position else self._next_window_k(state)
+
+  def _next_window_k(self, state: Any) -> int:
+    """The length of the window that opens next: `every_k`, or under `FollowNoiseScale` the
+    one the emitting program decided from the noise statistics (read back: one device-to-host
+    read of a scalar per update, which waits for that program)."""
+    if isinstance(self.every_k, _noise.FollowNoiseScale):
+      return int(jax.device_get(state.window_k))
+    return self.every_k
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
