@@ -92,6 +92,7 @@ def test_finite_check_is_exact_for_float64():
     assert not bool(check(_with(big, 62, np.inf))) and not bool(check(_with(big, 0, np.nan)))
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.complex64], ids=lambda d: jnp.dtype(d).name)
 def test_finite_check_is_one_dot_per_leaf_with_no_temporary(dtype):
   """The cheap form: a matrix-vector `dot` reads the leaf once; no squares, no leaf-sized temp."""
@@ -202,6 +203,7 @@ def _constant_arrays(text: str, min_bytes: int) -> list[str]:
   return found
 
 
+@pytest.mark.structure
 def test_constant_array_detector_sees_a_broadcast_scale():
   """The positive control: the scaled sum of squares the check used to be, over two leaves of one
   shape, writes its 2⁻⁶⁴ scale out as a full leaf-shaped array that both reductions read."""
@@ -213,6 +215,7 @@ def test_constant_array_detector_sees_a_broadcast_scale():
   assert _constant_arrays(_hlo.compile_fn(new, x, x).text, 512 * 256 * 4) == []
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("k", [1, 4])
 def test_default_programs_materialise_no_parameter_shaped_constant(k):
   tx = optax_accum.accumulate(optax.adam(1e-3), k)
@@ -223,6 +226,7 @@ def test_default_programs_materialise_no_parameter_shaped_constant(k):
     assert _constant_arrays(text, LARGEST_LEAF) == [], emit
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("k", [1, 4])
 def test_protocol_default_temp_is_at_most_adam_plus_the_gradients(k):
   """The check must see every gradient before any is added (one micro-batch drops as a whole),
@@ -238,6 +242,7 @@ def test_protocol_default_temp_is_at_most_adam_plus_the_gradients(k):
     assert unchecked.memory["temp"] <= floor, (unchecked.memory, floor)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("k", [1, 4])
 def test_train_step_programs_have_no_parameter_sized_temporary(k):
   """With the gradient buffer (the CPU default) neither program allocates anything the size of a
