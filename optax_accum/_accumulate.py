@@ -160,7 +160,7 @@ def make_config(
     every_k = _checks.positive_int(
       every_k,
       "every_k",
-      alternative=", a callable gradient_step -> k or a FollowNoiseScale",
+      alternative=" or a callable gradient_step -> k or a FollowNoiseScale",
       maximum=_checks.MAX_WINDOW,
     )
   return Config(
