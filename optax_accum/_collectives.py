@@ -191,8 +191,9 @@ class Axis(NamedTuple):
       sums = jax.tree.map(undo, sums, like)
     return sums, total
 
-  def warn_if_reduced(self, tree: Any, weight: Any, caller: str) -> None:
-    """Warns (or raises, when it would be wrong) about gradients autodiff already reduced."""
+  def warn_if_reduced(self, tree: Any, weight: Any, caller: str, stacklevel: int = 4) -> None:
+    """Warns (or raises, when it would be wrong) about gradients autodiff already reduced
+    (`stacklevel`: the user's frame, for the warning)."""
     if not tracks_variance(self.name):
       return
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
@@ -203,7 +204,7 @@ class Axis(NamedTuple):
         f"{caller}: `weight` differs per device but the gradients were already all-reduced, "
         "so the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=self.name)
       )
-    warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=self.name), stacklevel=4)
+    warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=self.name), stacklevel=stacklevel)
 
   def check_uniform(self, x: Any, name: str, caller: str) -> None:
     """Raises if `x` is device-varying: every device must take the same branch (the
@@ -244,8 +245,8 @@ class NoAxis(NamedTuple):
     del like, reduction
     return sums, total
 
-  def warn_if_reduced(self, tree: Any, weight: Any, caller: str) -> None:
-    del tree, weight, caller
+  def warn_if_reduced(self, tree: Any, weight: Any, caller: str, stacklevel: int = 4) -> None:
+    del tree, weight, caller, stacklevel
 
   def check_uniform(self, x: Any, name: str, caller: str) -> None:
     del x, name, caller
@@ -294,3 +295,8 @@ def reduce_window(
   value invariant again.
   """
   return resolve(axis_name).reduce_window(sums, total, like, reduction)
+
+
+def warn_if_reduced(tree: Any, weight: Any, axis_name: AxisName | None, caller: str) -> None:
+  """Warns (or raises, when it would be wrong) about gradients autodiff already all-reduced."""
+  resolve(axis_name).warn_if_reduced(tree, weight, caller, stacklevel=5)
