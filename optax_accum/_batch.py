@@ -299,8 +299,14 @@ def interleave(x: jax.Array, k: int, axis: int = 0) -> jax.Array:
   """
   axis %= x.ndim
   b = x.shape[axis] // k
-  blocks = jnp.reshape(x, (*x.shape[:axis], k, b, *x.shape[axis + 1 :]))
-  return jnp.swapaxes(blocks, axis, axis + 1).reshape(x.shape)
+  shape = (*x.shape[:axis], k, b, *x.shape[axis + 1 :])
+  spec = explicit_spec(x)
+  if spec is None:
+    return jnp.swapaxes(jnp.reshape(x, shape), axis, axis + 1).reshape(x.shape)
+  # Explicit sharding: the batch axis's devices go to the rows within each block (the rows
+  # move between devices here), so that the interleaved batch is sharded as `x` was.
+  blocks = jnp.reshape(x, shape, out_sharding=PartitionSpec(*spec[:axis], None, *spec[axis:]))
+  return jnp.reshape(jnp.swapaxes(blocks, axis, axis + 1), x.shape, out_sharding=spec)
 
 
 def zeros_split(like: Any, k: int, split: Split) -> jax.Array:

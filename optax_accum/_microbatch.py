@@ -529,15 +529,17 @@ def _call(
   if opts.weight_fn is None:
     return out, None
   w = opts.weight_fn(*a, **kw)
-  return out, _checks.weight(w, f"microbatch: weight_fn returned {_describe(w)};")
+  return out, _checks.weight(w, f"microbatch: weight_fn returned {_describe(w)}")
 
 
 def _describe(value: Any) -> str:
   """A weight as an error shows it: its value where known, else its dtype and shape."""
-  try:
-    return repr(float(np.asarray(value)))
-  except Exception:  # traced, or not a scalar
-    return f"{jnp.result_type(value)}{list(jnp.shape(value))}"
+  for show in (lambda v: repr(float(np.asarray(v))), lambda v: f"{v.dtype}{list(v.shape)}"):
+    try:
+      return show(value)
+    except Exception:  # traced, not a scalar, not an array
+      pass
+  return repr(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -628,7 +630,8 @@ def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -
   def weighted_sums(zeros, t):  # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does
     return vary(vary(zeros, t), [plan.total] * len(t))
 
-  scalar = vary(jnp.zeros((), jnp.float32), plan.total)
+  # The weight and the counts vary wherever the weights or the finite checks do: per device.
+  scalar = _collectives.to_varying(jnp.zeros((), jnp.float32), opts.axis.collective_name())
   rows = []
   for n in plan.where("concat", "stack"):
     layout = _layout(plan.kinds[n], opts.split)
