@@ -30,7 +30,7 @@ every device.
 
 `Axis` is the axis of one call, resolved once (`resolve_axis`: the names, the mesh, whether an
 enclosing map binds it, whether this call binds it itself) and handed down, so that the code
-below asks it instead of testing ``axis_name is None``.
+below asks it instead of testing whether the name is None.
 """
 
 from __future__ import annotations
