@@ -36,7 +36,7 @@ below asks it instead of testing whether the name is None.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -46,7 +46,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _batch, _collectives
-from optax_accum._typing import AxisName
+from optax_accum._typing import ArgNums, AxisName
 
 Sync = Literal["update", "microbatch"]
 SYNCS: tuple[str, ...] = ("update", "microbatch")
@@ -395,46 +395,55 @@ def _legacy_state_specs(x: Any, entry: Any) -> Any:
   return _data_parallel.state_specs(x, entry)
 
 
+class BindOptions(NamedTuple):
+  """`bind`'s keyword options (`data_parallel` documents them)."""
+
+  batch_argnums: ArgNums = ()  # positions split over the devices
+  batch_argnames: str | tuple[str, ...] = ()  # keywords split over the devices
+  batch_axes: ArgNums = 0  # each batch argument's batch axis
+  mesh: Any = None  # None: the mesh in effect
+  varying: Varying = "error"  # or "concat": join device-varying outputs
+  sync: Sync = "update"  # or "microbatch": a trivial axis, GSPMD reduces
+
+
 def bind(
   fun: Callable[..., Any],
   axis_name: AxisName,
   *,
-  batch_argnums: int | Sequence[int] = (),
-  batch_argnames: str | Sequence[str] = (),
-  batch_axes: int | Sequence[int] = 0,
-  mesh: Any = None,
-  varying: Varying = "error",
-  sync: Sync = "update",
-  state_specs: StateSpecs | None = _legacy_state_specs,
   caller: str,
+  state_specs: StateSpecs | None = _legacy_state_specs,
+  **options: Any,
 ) -> Callable[..., Any]:
   """`fun` with `axis_name` bound under plain jit, naming `caller` (the front end) in its errors.
 
-  The one seam through which ``data_parallel``, ``microbatch(axis_name=...)`` and
-  ``TrainStep(axis_name=...)`` bind the axis. `state_specs` (``(node, entry) -> spec tree |
-  None``) names the per-device state among arguments and outputs; None: there is none.
-  Arguments are checked here; the axis is resolved once per call (`resolve_axis`).
+  The one seam through which ``data_parallel`` and ``TrainStep(axis_name=...)`` bind the axis
+  (``microbatch(axis_name=...)`` resolves its axis itself and calls `run_bound`). `options` are
+  `BindOptions`' fields. `state_specs` (``(node, entry) -> spec tree | None``) names the
+  per-device state among arguments and outputs; None: there is none. Arguments are checked
+  here; the axis is resolved once per call (`resolve_axis`).
   """
+  opts = BindOptions(**options)
   if not callable(fun):
     raise TypeError(f"{caller}: fun must be callable, got {fun!r}.")
-  if varying not in VARYINGS:
-    raise ValueError(f"{caller}: varying must be one of {VARYINGS}, got {varying!r}.")
-  if sync not in SYNCS:
-    raise ValueError(f"{caller}: sync must be one of {SYNCS}, got {sync!r}.")
-  pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, caller=caller, need_batch=False)
+  if opts.varying not in VARYINGS:
+    raise ValueError(f"{caller}: varying must be one of {VARYINGS}, got {opts.varying!r}.")
+  if opts.sync not in SYNCS:
+    raise ValueError(f"{caller}: sync must be one of {SYNCS}, got {opts.sync!r}.")
+  pos = _batch.positions(
+    opts.batch_argnums, opts.batch_argnames, opts.batch_axes, caller=caller, need_batch=False
+  )
   check_axis_name(axis_name, caller)
   hook = state_specs or no_state
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    mesh_for = None if sync == "microbatch" else mesh
-    axis = _resolve_for(axis_name, mesh_for, sync, caller)
+    axis = _resolve_for(axis_name, opts.mesh, opts.sync, caller)
     if axis.mode == "mapped":
       return fun(*args, **kwargs)
-    ctx = Binding(axis, hook, varying, caller)
-    if sync == "microbatch":
-      return _bind_trivial(fun, ctx, args, kwargs)
-    return run_bound(fun, ctx, _batch.resolve(pos, len(args), kwargs), args, kwargs)
+    binding = Binding(axis, hook, opts.varying, caller)
+    if opts.sync == "microbatch":
+      return _bind_trivial(fun, binding, args, kwargs)
+    return run_bound(fun, binding, _batch.resolve(pos, len(args), kwargs), args, kwargs)
 
   return wrapped
 

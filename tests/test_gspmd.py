@@ -772,3 +772,15 @@ def test_two_processes_plain_jit_train_like_one(tmp_path, front):
     got = dict(np.load(tmp_path / f"params_{i}.npz"))
     chex.assert_trees_all_close(got, want, **ref.TOL)
   chex.assert_trees_all_equal(*(dict(np.load(tmp_path / f"params_{i}.npz")) for i in range(2)))
+
+
+def test_binder_does_not_import_the_optimizer_state():
+  # Issue 17: the generic binder imported `_accumulate` to recognise its state; the front end
+  # (`data_parallel`, `TrainStep`) now hands it a hook instead.
+  import ast
+  import pathlib
+
+  source = pathlib.Path(optax_accum.__file__).with_name("_gspmd.py").read_text()
+  top = [n for n in ast.parse(source).body if isinstance(n, ast.Import | ast.ImportFrom)]
+  names = {a.name for n in top for a in n.names} | {n.module for n in top if n.module}
+  assert not names & {"_accumulate", "_sharding", "optax_accum._accumulate"}, names

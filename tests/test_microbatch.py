@@ -479,15 +479,14 @@ def _deep_loss(w, x):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("traced_count", [False, True], ids=["scan", "while"])
-def test_microbatch_program_size_independent_of_k(traced_count):
+def test_microbatch_traced_count_program_size_independent_of_k():
+  # A traced num_real_microbatches makes the loop a while loop; its program must not grow with
+  # k either (the scan's case: test_structure.py's test_microbatch_body_compiled_once_whatever_k).
   w = jax.ShapeDtypeStruct((32, 32), jnp.float32)
   x = jax.ShapeDtypeStruct((256, 32), jnp.float32)
-  n = jax.ShapeDtypeStruct((), jnp.int32)  # a traced num_real_microbatches: a while loop
+  n = jax.ShapeDtypeStruct((), jnp.int32)
 
   def text(k):
-    if not traced_count:
-      return jax.jit(microbatch(jax.value_and_grad(_deep_loss), k)).lower(w, x).as_text()
     vg = jax.value_and_grad(_deep_loss)
     f = jax.jit(lambda w, x, n: microbatch(vg, k, num_real_microbatches=n)(w, x))
     return f.lower(w, x, n).as_text()
