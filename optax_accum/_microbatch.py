@@ -33,7 +33,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _batch, _checks, _collectives, _core, _gspmd, _outputs
+from optax_accum import _batch, _checks, _collectives, _core, _gspmd, _noise, _outputs
 from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
@@ -66,6 +66,9 @@ class MicrobatchInfo(NamedTuple):
 
   num_skipped: jax.Array  # shape=(), dtype=jnp.int32: micro-batches dropped for NaN/Inf
   total_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ over the kept micro-batches
+  # With `noise_scale`: this step's window statistics of the gradient (`noise_scale`'s
+  # `NoiseScale`: window_trace_cov T, window_grad_sq Q, and b_simple = T / Q); else None.
+  noise: _noise.NoiseScale | None = None
 
 
 class _Options(NamedTuple):
@@ -83,6 +86,7 @@ class _Options(NamedTuple):
   split: Split
   skip_nonfinite: bool
   return_info: bool
+  noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
   mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
   axis: _gspmd.Axis = _gspmd.Axis(None, "none")  # resolved per call
@@ -100,6 +104,7 @@ class _Carry(NamedTuple):
   # non-finite values (skip_nonfinite).
   invalid: jax.Array  # shape=(), dtype=jnp.float32
   skipped: jax.Array  # shape=(), dtype=jnp.float32
+  noise: _noise.NoiseState  # Σ wᵢ|gᵢ|² and the kept count of the gradient (noise_scale)
   last: list[jax.Array]  # the latest value of the "last" leaves
   rows: list[jax.Array]  # every micro-batch's "concat" and "stack" values (zeros until written)
   state: tuple[Any, ...]  # the threaded state arguments
@@ -203,6 +208,7 @@ def microbatch(
   split: Split = "strided",
   skip_nonfinite: bool = True,
   return_info: bool = False,
+  noise_scale: int | Callable[[Any], Any] | None = None,
   axis_name: AxisName | None = None,
   mesh: Any = None,
 ) -> Callable[..., Any]:
@@ -304,6 +310,19 @@ def microbatch(
     return_info: return ``(output, info)``, where ``info`` is a `MicrobatchInfo`:
       ``num_skipped`` (micro-batches dropped by `skip_nonfinite`; with `axis_name`, each
       device's piece counts) and ``total_weight`` (Σ wᵢ of the kept ones), both global.
+    noise_scale: measure the gradient noise scale of this step's micro-batches (implies
+      `return_info`): which output is the gradient, as an int ``j`` (the output's ``j``-th
+      entry: 1 for ``jax.value_and_grad``'s ``(value, grad)``) or a selector
+      ``lambda out: out[0][1]`` (as `state_out`); its leaves must be reduced by "mean".
+      ``info.noise`` is then a `NoiseScale` (as `optax_accum.noise_scale` returns for
+      `accumulate`) of this one window: ``window_trace_cov`` ``T = (Σ wᵢ|gᵢ|² − W|ḡ|²) /
+      (n − 1)``, ``window_grad_sq`` ``Q = |ḡ|² − T/W`` over the ``n`` kept micro-batches
+      (``ḡ`` their weighted mean, ``W`` the total weight), ``grad_sq``/``trace_cov`` the same
+      (one window: nothing to smooth) and ``b_simple = T / Q``, in units of the weight; NaN
+      with fewer than two kept micro-batches. Costs one squared-norm reduction per
+      micro-batch and two scalars in the loop, no parameter-sized memory. With `axis_name`,
+      each device's micro-batches are further pieces of the window (2 devices × k count as
+      2k micro-batches); the two scalars ride on the one all-reduce after the loop.
     axis_name: the data-parallel axis: "mean" and "sum" outputs (and the weights) are reduced
       over it once, after the loop, to the global large-batch result. The non-batch arguments
       are made device-varying first, so gradients taken inside `fun` stay local (no
@@ -371,7 +390,8 @@ def microbatch(
     accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
     skip_nonfinite=_check_bool(skip_nonfinite, "skip_nonfinite"),
-    return_info=_check_bool(return_info, "return_info"),
+    return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
+    noise=_check_noise(noise_scale),
     axis_name=axis_name,
     mesh=mesh,
   )
@@ -384,6 +404,17 @@ def microbatch(
     return _run(opts._replace(axis=axis), args, kwargs)
 
   return wrapped
+
+
+def _check_noise(value: Any) -> Any:
+  if value is None or callable(value):
+    return value
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(
+      "microbatch: noise_scale must be None, an int (the gradient's position in fun's output, "
+      f"e.g. 1 for jax.value_and_grad) or a selector `lambda out: ...`, got {value!r}."
+    )
+  return int(value)
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -560,7 +591,8 @@ def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.P
     for n in leaves:
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
-  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, (), total)
+  noise = _outputs.noise_leaves(opts.noise, tree, kinds)
+  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
 
 
 def _named(pos: _batch.Positions) -> str:
@@ -631,7 +663,8 @@ def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -
     return vary(vary(zeros, t), [plan.total] * len(t))
 
   # The weight and the counts vary wherever the weights or the finite checks do: per device.
-  scalar = _collectives.to_varying(jnp.zeros((), jnp.float32), opts.axis.collective_name())
+  axis = opts.axis.collective_name()
+  scalar = _collectives.to_varying(jnp.zeros((), jnp.float32), axis)
   rows = []
   for n in plan.where("concat", "stack"):
     layout = _layout(plan.kinds[n], opts.split)
@@ -643,6 +676,7 @@ def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -
     total=scalar,
     invalid=scalar,
     skipped=scalar,
+    noise=_collectives.to_varying(_noise.init(), axis),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
     rows=rows,
     state=vary(state0, _state_like(plan, state0)),
@@ -706,6 +740,9 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
     total=total,
     invalid=carry.invalid + invalid.astype(jnp.float32),
     skipped=carry.skipped + (dropped & ~invalid).astype(jnp.float32),
+    noise=_noise.add(carry.noise, [leaves[n] for n in plan.noise], w, ~dropped)
+    if plan.noise
+    else carry.noise,
     last=plan.pick(leaves, "last"),
     rows=rows,
     state=_new_state(plan, leaves, carry.state),
@@ -775,10 +812,10 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   done = [_already_reduced(t, opts.axis) for t in sum_like]
   local = [s for s, d in zip(carry.sums, done, strict=True) if not d]
   reduced = _collectives.reduce(
-    (carry.means, local, carry.total, carry.invalid, carry.skipped),
+    (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise)),
     opts.axis.collective_name(),
   )
-  means, local, total, invalid, skipped = reduced
+  means, local, total, invalid, skipped, (sq_sum, count) = reduced
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
   nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
@@ -803,4 +840,14 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  return out, MicrobatchInfo(skipped.astype(jnp.int32), total)
+  noise = _window_noise(plan, means, total, sq_sum, count) if plan.noise else None
+  return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
+
+
+def _window_noise(plan: _outputs.Plan, means: list, total, sq_sum, count) -> _noise.NoiseScale:
+  """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``."""
+  index = {n: i for i, n in enumerate(plan.where("mean"))}
+  mean_sq = _noise.sq_norm([means[index[n]] for n in plan.noise]) / jnp.square(total)
+  trace, grad_sq = _noise.window_stats(sq_sum, count, total, mean_sq)
+  return _noise.NoiseScale(grad_sq, trace, trace / grad_sq, grad_sq, trace)  # nothing to smooth

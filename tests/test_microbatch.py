@@ -758,3 +758,81 @@ def test_microbatch_rejects_other_bad_options():
     microbatch(_sum, 2, rng_argnums=2)(1.0, jnp.ones(4), jnp.ones(3))
   with pytest.raises(ValueError, match="state_out is given but state_argnums is empty"):
     microbatch(_sum, 2, state_out=lambda o: o)
+
+
+# ----------------------------------------------------------------------------------------------
+# The gradient noise scale of one step's micro-batches (noise_scale).
+
+
+def _window_formulas(grads, weights):
+  """T and Q of micro-batch gradients `grads` (flat float64 vectors) with `weights`, float64."""
+  g, w = np.asarray(grads, np.float64), np.asarray(weights, np.float64)
+  total = w.sum()
+  mean = (w[:, None] * g).sum(0) / total
+  trace = ((w * (g**2).sum(1)).sum() - total * (mean**2).sum()) / (len(g) - 1)
+  return trace, (mean**2).sum() - trace / total
+
+
+def _flat_grad(params, batch):
+  grad = jax.jit(jax.grad(ref.mlp_loss))(params, batch)
+  return np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(grad)])
+
+
+@pytest.mark.parametrize("selector", [1, lambda out: out[1]], ids=["int", "selector"])
+def test_microbatch_noise_scale_matches_float64_formulas(selector):
+  k, batch = 8, _data(32)
+  (value, grad), info = jax.jit(microbatch(_VG, k, noise_scale=selector))(PARAMS, batch)
+  chex.assert_trees_all_close((value, grad), _VG_JIT(PARAMS, batch), **TOL)  # unchanged
+  grads = [_flat_grad(PARAMS, m) for m in ref.split(batch, k, strided=True)]
+  trace, grad_sq = _window_formulas(grads, np.ones(k))
+  noise = info.noise
+  np.testing.assert_allclose(noise.window_trace_cov, trace, rtol=1e-5)
+  np.testing.assert_allclose(noise.window_grad_sq, grad_sq, rtol=1e-5)
+  np.testing.assert_allclose(noise.b_simple, trace / grad_sq, rtol=1e-5)
+  assert noise.trace_cov == noise.window_trace_cov and noise.grad_sq == noise.window_grad_sq
+
+
+def test_microbatch_noise_scale_weighted_and_dropped_micro_batches():
+  batch = _tokens()
+  batch["y"] = batch["y"].copy()
+  batch["y"][1, 0] = np.nan  # a real token of micro-batch 1 (strided): dropped, not counted
+  f = microbatch(_VG, 4, weight_fn=_token_weight, noise_scale=1)
+  _, info = jax.jit(f)(TOKEN_PARAMS, batch)
+  kept = [m for i, m in enumerate(ref.split(batch, 4, strided=True)) if i != 1]
+  grads = [_flat_grad(TOKEN_PARAMS, m) for m in kept]
+  trace, grad_sq = _window_formulas(grads, [np.sum(m["mask"]) for m in kept])
+  np.testing.assert_allclose(info.noise.window_trace_cov, trace, rtol=1e-5)
+  np.testing.assert_allclose(info.noise.window_grad_sq, grad_sq, rtol=1e-5)
+  assert info.num_skipped == 1
+  # One kept micro-batch estimates no variance: NaN, as documented.
+  _, one = jax.jit(microbatch(_VG, 1, noise_scale=1))(PARAMS, _data())
+  assert np.isnan(one.noise.b_simple) and np.isnan(one.noise.window_trace_cov)
+
+
+def test_microbatch_noise_scale_devices_are_more_pieces_of_the_window():
+  # 2 devices × k micro-batches give the statistics of 1 device × 2k with the same micro-batches:
+  # under shard_map (device d holds micro-batches 4d..4d+3, contiguous) and under plain jit
+  # (bound here: device d holds its piece, rows 4d..4d+3, of each 8-row micro-batch).
+  batch, mesh = _data(32), jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
+  one = jax.jit(microbatch(_VG, 8, split="contiguous", noise_scale=1))
+  (want, want_info) = one(PARAMS, batch)
+  f = microbatch(_VG, 4, split="contiguous", noise_scale=1, axis_name="d")
+  mapped = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
+  in_map = mapped(PARAMS, jax.device_put(batch, NamedSharding(mesh, P("d"))))
+  with jax.set_mesh(mesh):
+    bound = jax.jit(f)(PARAMS, batch)
+  for got, info in (in_map, bound):
+    chex.assert_trees_all_close(got, want, **TOL)
+    chex.assert_trees_all_close(info.noise, want_info.noise, rtol=1e-5, atol=0)
+    assert info.total_weight == 8.0
+  text = mapped.lower(PARAMS, jax.device_put(batch, NamedSharding(mesh, P("d")))).compile()
+  # The two scalars ride on the one all-reduce after the loop: no other collective.
+  assert optax_accum.count_collectives(text.as_text()) == 1
+
+
+def test_microbatch_rejects_bad_noise_scale():
+  with pytest.raises(TypeError, match=r"noise_scale must be None, an int .* got 'grad'"):
+    microbatch(_VG, 2, noise_scale="grad")
+  g = microbatch(_VG, 2, noise_scale=1, reduction=("mean", "sum"))
+  with pytest.raises(ValueError, match=r"noise_scale must select the gradient among the outputs"):
+    g(PARAMS, _data())
