@@ -16,41 +16,34 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _gspmd
+from optax_accum import _gspmd, _sharding
 from optax_accum._accumulate import AccumulateState
 from optax_accum._typing import AxisName
 
 
-# TODO(lead): replace with _sharding.is_per_device / _sharding.per_device_specs after merging
-# acc (the two functions below are a temporary copy of the logic that moves there).
-def _is_per_device(x: Any) -> bool:
-  """An `AccumulateState` whose sums are per device (stacked over the axis outside the map)."""
-  return isinstance(x, AccumulateState) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)
+def state_specs(x: Any, entry: Any) -> Any:
+  """The binder's hook (`_gspmd.StateSpecs`): the specs of a per-device optimizer state over
+  the bound axis, else None: `_sharding.per_device_specs`."""
+  # TODO(lead): after merging acc, `_sharding.per_device_specs` exists: pass it directly as
+  # the hook below and delete this function and the temporary copy under it.
+  hook = getattr(_sharding, "per_device_specs", None) or _per_device_specs_copy
+  return hook(x, entry)
 
 
-def _per_device_specs(state: AccumulateState, entry: Any) -> AccumulateState:
-  """Specs of a per-device `AccumulateState`'s leaves: its sums split over the axis."""
+def _per_device_specs_copy(x: Any, entry: Any) -> Any:
+  """TEMPORARY copy of the old `_gspmd` logic, for this branch's `AccumulateState` only."""
+  if not (isinstance(x, AccumulateState) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)):
+    return None
   rep = P()
   return AccumulateState(
     mini_step=rep,
     gradient_step=rep,
-    acc_grads=jax.tree.map(lambda _: P(entry), state.acc_grads),
+    acc_grads=jax.tree.map(lambda _: P(entry), x.acc_grads),
     acc_weight=P(entry),
     num_skipped=P(entry),
-    inner_state=jax.tree.map(lambda _: rep, state.inner_state),
+    inner_state=jax.tree.map(lambda _: rep, x.inner_state),
     updated=rep,
   )
-
-
-def state_specs(x: Any, entry: Any) -> Any:
-  """The binder's hook (`_gspmd.StateSpecs`): the specs of a per-device optimizer state, else
-  None."""
-  return _per_device_specs(x, entry) if _is_per_device(x) else None
-
-
-def bind(fun: Callable[..., Any], axis_name: AxisName, **kwargs: Any) -> Callable[..., Any]:
-  """`_gspmd.bind` with this hook: how `TrainStep` binds the axis (its state is per device)."""
-  return _gspmd.bind(fun, axis_name, state_specs=state_specs, **kwargs)
 
 
 def data_parallel(
@@ -117,9 +110,10 @@ def data_parallel(
   >>> bool(jnp.allclose(f(jnp.ones(2), x), jnp.mean((x @ jnp.ones(2)) ** 2)))
   True
   """
-  return bind(
+  return _gspmd.bind(
     fun,
     axis_name,
+    state_specs=state_specs,
     batch_argnums=batch_argnums,
     batch_argnames=batch_argnames,
     batch_axes=batch_axes,

@@ -387,8 +387,8 @@ def _bind_trivial(fun: Callable, ctx: Binding, args, kwargs) -> Any:
 def _legacy_state_specs(x: Any, entry: Any) -> Any:
   """The default hook while `TrainStep` (branch acc) still calls `bind` without one.
 
-  TODO(lead): remove after merging acc, once TrainStep calls `_data_parallel.bind` (or passes
-  `state_specs=`): the binder must not know the optimizer's state type.
+  TODO(lead): remove after merging acc (whose TrainStep passes `state_specs=`), and make the
+  default None: the binder must not know the optimizer's state type.
   """
   from optax_accum import _data_parallel  # noqa: PLC0415 (lazy: _data_parallel imports us)
 
