@@ -836,3 +836,16 @@ def test_microbatch_rejects_bad_noise_scale():
   g = microbatch(_VG, 2, noise_scale=1, reduction=("mean", "sum"))
   with pytest.raises(ValueError, match=r"noise_scale must select the gradient among the outputs"):
     g(PARAMS, _data())
+
+
+@pytest.mark.structure
+def test_microbatch_noise_scale_adds_no_parameter_sized_memory():
+  # A 1 MiB weight: the statistics are two scalars in the loop, never a copy of the gradient.
+  w = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+  x = jax.ShapeDtypeStruct((64, 512), jnp.float32)
+
+  def temp(**kw):
+    f = jax.jit(microbatch(jax.value_and_grad(_deep_loss), 4, **kw))
+    return f.lower(w, x).compile().memory_analysis().temp_size_in_bytes
+
+  assert temp(noise_scale=1) - temp(return_info=True) < 512 * 512 * 4 // 4
