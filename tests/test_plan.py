@@ -171,3 +171,19 @@ def test_plan_with_num_real_microbatches_only_tries_k_that_holds_them():
 def test_plan_rejects_bad_input(kwargs, error, match):
   with pytest.raises(error, match=match):
     plan_microbatches(_VG, W, X, **kwargs)
+
+
+def test_plan_choice_of_k1_keeps_output_shapes():
+  # Issue 17: k=1 was a separate path, so a plan choosing k=1 changed a per-micro-batch
+  # output's shape (() instead of (k,)) and an integer mean's dtype. Every k has one contract.
+  def fun(w, x):
+    return _loss(w, x), jnp.sum(x > 0), jnp.tanh(x @ w), jnp.mean(x)
+
+  kw = dict(reduction=("mean", "mean", "concat", "stack"))
+  plan = plan_microbatches(fun, W, X, memory_limit=2**40, **kw)
+  assert plan.num_microbatches == 1
+  one, two = (jax.eval_shape(microbatch(fun, k, **kw), W, X) for k in (1, 2))
+  assert [(o.shape[1:] if i == 3 else o.shape, o.dtype) for i, o in enumerate(one)] == [
+    (t.shape[1:] if i == 3 else t.shape, t.dtype) for i, t in enumerate(two)
+  ]
+  assert one[3].shape == (1,) and one[1].dtype == jnp.float32
