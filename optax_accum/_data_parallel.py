@@ -12,38 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import numpy as np
-from jax.sharding import PartitionSpec as P
-
 from optax_accum import _gspmd, _sharding
-from optax_accum._accumulate import AccumulateState
 from optax_accum._typing import AxisName
-
-
-def state_specs(x: Any, entry: Any) -> Any:
-  """The binder's hook (`_gspmd.StateSpecs`): the specs of a per-device optimizer state over
-  the bound axis, else None: `_sharding.per_device_specs`."""
-  # TODO(lead): after merging acc, `_sharding.per_device_specs` exists: pass it directly as
-  # the hook below and delete this function and the temporary copy under it.
-  hook = getattr(_sharding, "per_device_specs", None) or _per_device_specs_copy
-  return hook(x, entry)
-
-
-def _per_device_specs_copy(x: Any, entry: Any) -> Any:
-  """TEMPORARY copy of the old `_gspmd` logic, for this branch's `AccumulateState` only."""
-  if not (isinstance(x, AccumulateState) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)):
-    return None
-  rep = P()
-  return AccumulateState(
-    mini_step=rep,
-    gradient_step=rep,
-    acc_grads=jax.tree.map(lambda _: P(entry), x.acc_grads),
-    acc_weight=P(entry),
-    num_skipped=P(entry),
-    inner_state=jax.tree.map(lambda _: rep, x.inner_state),
-    updated=rep,
-  )
 
 
 def data_parallel(
@@ -113,7 +83,7 @@ def data_parallel(
   return _gspmd.bind(
     fun,
     axis_name,
-    state_specs=state_specs,
+    state_specs=_sharding.per_device_specs,
     batch_argnums=batch_argnums,
     batch_argnames=batch_argnames,
     batch_axes=batch_axes,

@@ -117,9 +117,11 @@ class Axis(NamedTuple):
       return int(np.prod([self.mesh.shape[a] for a in self.names]))
     return 1
 
-  def collective_name(self) -> AxisName | None:
-    """The name the collectives take: None (their identity) where the axis is not bound."""
-    return self.name if self.bound else None
+  @property
+  def collectives(self) -> Any:
+    """What the collectives do over this axis: `_collectives.Axis` where it is bound (inside a
+    map), else `_collectives.NO_AXIS`, whose operations are the identity."""
+    return _collectives.resolve(self.name if self.bound else None)
 
 
 def resolve_axis(axis_name: AxisName | None, mesh: Any, caller: str) -> Axis:
@@ -384,17 +386,6 @@ def _bind_trivial(fun: Callable, ctx: Binding, args, kwargs) -> Any:
   return out
 
 
-def _legacy_state_specs(x: Any, entry: Any) -> Any:
-  """The default hook while `TrainStep` (branch acc) still calls `bind` without one.
-
-  TODO(lead): remove after merging acc (whose TrainStep passes `state_specs=`), and make the
-  default None: the binder must not know the optimizer's state type.
-  """
-  from optax_accum import _data_parallel  # noqa: PLC0415 (lazy: _data_parallel imports us)
-
-  return _data_parallel.state_specs(x, entry)
-
-
 class BindOptions(NamedTuple):
   """`bind`'s keyword options (`data_parallel` documents them)."""
 
@@ -411,7 +402,7 @@ def bind(
   axis_name: AxisName,
   *,
   caller: str,
-  state_specs: StateSpecs | None = _legacy_state_specs,
+  state_specs: StateSpecs | None = None,
   **options: Any,
 ) -> Callable[..., Any]:
   """`fun` with `axis_name` bound under plain jit, naming `caller` (the front end) in its errors.

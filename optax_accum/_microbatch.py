@@ -509,17 +509,16 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
-  axes, axis = pos.axis_of(), opts.axis.collective_name()
+  axes, local = pos.axis_of(), opts.axis.collectives.to_varying
   a = []
   for j, x in enumerate(args):
     if j in axes:
       x = _split(x, opts.k, opts.split, axes[j])
     elif j not in pos.rngs:
-      x = _collectives.to_varying(x, axis)
+      x = local(x)
     a.append(x)
   kw = {
-    n: _split(x, opts.k, opts.split, axes[n]) if n in axes else _collectives.to_varying(x, axis)
-    for n, x in kwargs.items()
+    n: _split(x, opts.k, opts.split, axes[n]) if n in axes else local(x) for n, x in kwargs.items()
   }
   return a, kw
 
@@ -663,8 +662,8 @@ def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -
     return vary(vary(zeros, t), [plan.total] * len(t))
 
   # The weight and the counts vary wherever the weights or the finite checks do: per device.
-  axis = opts.axis.collective_name()
-  scalar = _collectives.to_varying(jnp.zeros((), jnp.float32), axis)
+  varying = opts.axis.collectives.to_varying
+  scalar = varying(jnp.zeros((), jnp.float32))
   rows = []
   for n in plan.where("concat", "stack"):
     layout = _layout(plan.kinds[n], opts.split)
@@ -676,7 +675,7 @@ def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -
     total=scalar,
     invalid=scalar,
     skipped=scalar,
-    noise=_collectives.to_varying(_noise.init(), axis),
+    noise=varying(_noise.init()),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
     rows=rows,
     state=vary(state0, _state_like(plan, state0)),
@@ -724,7 +723,7 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
   leaves = [jnp.asarray(x) for x in plan.tree.flatten_up_to(out)]  # Python constants too
   means, sums = plan.pick(leaves, "mean"), plan.pick(leaves, "sum")
   if sums:  # a "sum" `fun` already reduced over the axis: warn, or raise if weights vary
-    _collectives.warn_if_reduced(sums, w, opts.axis.collective_name(), "microbatch")
+    opts.axis.collectives.warn_if_reduced(sums, w, "microbatch")
   # One add for both: one weight, one finite check, one decision to drop the micro-batch.
   acc, total, dropped = _core.add(
     carry.means + carry.sums, carry.total, means + sums, w, skip_nonfinite=opts.skip_nonfinite
@@ -795,7 +794,7 @@ def _is_float(x: Any) -> bool:
 def _already_reduced(like: Any, axis: _gspmd.Axis) -> bool:
   """A value `fun` returned the same on every device (its type carries no varying axis): it was
   reduced over the axis inside `fun` already (`_collectives.ALREADY_REDUCED`)."""
-  name = axis.collective_name()
+  name = axis.name
   return (
     axis.bound and _collectives.tracks_variance(name) and not _collectives.is_varying(like, name)
   )
@@ -811,9 +810,8 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   sum_like = plan.pick(plan.like, "sum")
   done = [_already_reduced(t, opts.axis) for t in sum_like]
   local = [s for s, d in zip(carry.sums, done, strict=True) if not d]
-  reduced = _collectives.reduce(
-    (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise)),
-    opts.axis.collective_name(),
+  reduced = opts.axis.collectives.reduce(
+    (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise))
   )
   means, local, total, invalid, skipped, (sq_sum, count) = reduced
   local = iter(local)
