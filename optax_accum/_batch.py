@@ -38,6 +38,7 @@ class Positions(NamedTuple):
   rngs: tuple[int, ...]  # positional PRNG-key arguments (one fresh key per micro-batch)
   states: tuple[int, ...]  # positional arguments threaded through the micro-batches
   single_state: bool  # state_argnums was one int: `state_out` returns one state, not a tuple
+  caller: str = "microbatch"  # the front end, named in every error
 
   def batch_trees(self, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     """The batch arguments of a call, in the order of `axes`."""
@@ -47,9 +48,13 @@ class Positions(NamedTuple):
     """How errors name each batch argument, in the order of `axes`."""
     return [f"argument {j}" for j in self.batch] + [f"keyword argument {n}" for n in self.names]
 
+  def axis_of(self) -> dict[int | str, int]:
+    """{position or keyword: its batch axis} for every batch argument."""
+    return dict(zip(self.batch + self.names, self.axes, strict=True))
 
-def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
-  """`argnums` (an int or a sequence of ints, no repeats) as a tuple of ints."""
+
+def check_argnums(name: str, argnums: Any, caller: str = "microbatch") -> tuple[int, ...]:
+  """`argnums` (an int or a sequence of ints, no repeats; no bools) as a tuple of ints."""
   items = (argnums,) if isinstance(argnums, int | np.integer) else argnums
   try:
     items = tuple(items)
@@ -57,14 +62,14 @@ def check_argnums(name: str, argnums: Any) -> tuple[int, ...]:
     items = (argnums,)
   bad = [a for a in items if isinstance(a, bool) or not isinstance(a, int | np.integer)]
   if bad:
-    raise TypeError(f"microbatch: {name} must be an int or a sequence of ints, got {argnums!r}.")
+    raise TypeError(f"{caller}: {name} must be an int or a sequence of ints, got {argnums!r}.")
   items = tuple(operator.index(a) for a in items)
   if len(set(items)) != len(items):
-    raise ValueError(f"microbatch: {name} has repeated positions: {argnums!r}.")
+    raise ValueError(f"{caller}: {name} has repeated positions: {argnums!r}.")
   return items
 
 
-def check_argnames(argnames: Any) -> tuple[str, ...]:
+def check_argnames(argnames: Any, caller: str = "microbatch") -> tuple[str, ...]:
   """`batch_argnames` (a str or a sequence of str, no repeats) as a tuple of str."""
   items = (argnames,) if isinstance(argnames, str) else argnames
   try:
@@ -73,14 +78,14 @@ def check_argnames(argnames: Any) -> tuple[str, ...]:
     items = (argnames,)
   if not all(isinstance(a, str) for a in items):
     raise TypeError(
-      f"microbatch: batch_argnames must be a str or a sequence of str, got {argnames!r}."
+      f"{caller}: batch_argnames must be a str or a sequence of str, got {argnames!r}."
     )
   if len(set(items)) != len(items):
-    raise ValueError(f"microbatch: batch_argnames has repeated names: {argnames!r}.")
+    raise ValueError(f"{caller}: batch_argnames has repeated names: {argnames!r}.")
   return items
 
 
-def _check_axes(batch_axes: Any, count: int) -> tuple[int, ...]:
+def _check_axes(batch_axes: Any, count: int, caller: str) -> tuple[int, ...]:
   if isinstance(batch_axes, int | np.integer) and not isinstance(batch_axes, bool):
     return (operator.index(batch_axes),) * count
   try:
@@ -89,11 +94,11 @@ def _check_axes(batch_axes: Any, count: int) -> tuple[int, ...]:
     axes = (batch_axes,)
   if any(isinstance(a, bool) or not isinstance(a, int | np.integer) for a in axes):
     raise TypeError(
-      f"microbatch: batch_axes must be an int or a sequence of ints, got {batch_axes!r}."
+      f"{caller}: batch_axes must be an int or a sequence of ints, got {batch_axes!r}."
     )
   if len(axes) != count:
     raise ValueError(
-      f"microbatch: batch_axes has {len(axes)} entries, {batch_axes!r}, but there are {count} "
+      f"{caller}: batch_axes has {len(axes)} entries, {batch_axes!r}, but there are {count} "
       "batch arguments (batch_argnums + batch_argnames): give one axis per batch argument, in "
       "that order, or one int for all."
     )
@@ -104,50 +109,59 @@ def positions(
   batch_argnums: ArgNums | None,
   batch_argnames: str | Sequence[str],
   batch_axes: int | Sequence[int],
-  rng_argnums: ArgNums,
-  state_argnums: ArgNums,
+  rng_argnums: ArgNums = (),
+  state_argnums: ArgNums = (),
+  *,
+  caller: str = "microbatch",
+  need_batch: bool = True,
 ) -> Positions:
   """The checked positions, as given (negative ones count from the end of the call's arguments).
 
-  `batch_argnums=None` means argument 1, or none when `batch_argnames` names some.
+  The one parser of batch positions: `microbatch`, `data_parallel` (and the binder under
+  `microbatch`/`TrainStep`) and `plan_microbatches` all read a call's batch through it, and
+  every error names `caller`. `batch_argnums=None` means argument 1, or none when
+  `batch_argnames` names some. `need_batch`: at least one batch argument must be named.
   """
-  names = check_argnames(batch_argnames)
+  names = check_argnames(batch_argnames, caller)
   if batch_argnums is None:
     batch_argnums = () if names else 1
-  batch = check_argnums("batch_argnums", batch_argnums)
-  if not batch and not names:
+  batch = check_argnums("batch_argnums", batch_argnums, caller)
+  if need_batch and not batch and not names:
     raise ValueError(
-      "microbatch: name at least one batch argument, with batch_argnums (positions) or "
+      f"{caller}: name at least one batch argument, with batch_argnums (positions) or "
       "batch_argnames (keywords); got batch_argnums=() and batch_argnames=()."
     )
   return Positions(
     batch,
     names,
-    _check_axes(batch_axes, len(batch) + len(names)),
-    check_argnums("rng_argnums", rng_argnums),
-    check_argnums("state_argnums", state_argnums),
+    _check_axes(batch_axes, len(batch) + len(names), caller),
+    check_argnums("rng_argnums", rng_argnums, caller),
+    check_argnums("state_argnums", state_argnums, caller),
     isinstance(state_argnums, int | np.integer),
+    caller,
   )
 
 
-def _resolve_argnums(name: str, argnums: tuple[int, ...], nargs: int) -> tuple[int, ...]:
+def _resolve_argnums(
+  name: str, argnums: tuple[int, ...], nargs: int, caller: str
+) -> tuple[int, ...]:
   out = []
   for a in argnums:
     if not -nargs <= a < nargs:
       raise ValueError(
-        f"microbatch: {name} contains {a}, but the function was called with {nargs} positional "
+        f"{caller}: {name} contains {a}, but the function was called with {nargs} positional "
         f"argument{'s' if nargs != 1 else ''} (valid positions: 0..{nargs - 1}, or negative)."
       )
     out.append(a % nargs)
   return tuple(out)
 
 
-def _check_names(names: tuple[str, ...], kwargs: dict[str, Any]) -> None:
+def _check_names(names: tuple[str, ...], kwargs: dict[str, Any], caller: str) -> None:
   missing = [n for n in names if n not in kwargs]
   if missing:
     given = ", ".join(repr(k) for k in kwargs) or "none"
     raise ValueError(
-      f"microbatch: batch_argnames names {missing[0]!r}, but the function was called without a "
+      f"{caller}: batch_argnames names {missing[0]!r}, but the function was called without a "
       f"keyword argument {missing[0]!r} (keywords given: {given}). Pass it by keyword "
       f"({missing[0]}=...), or name its position in batch_argnums instead."
     )
@@ -158,18 +172,19 @@ def resolve(pos: Positions, nargs: int, kwargs: dict[str, Any]) -> Positions:
 
   The positions become non-negative; their order (which `axes` follows) is kept.
   """
-  batch = _resolve_argnums("batch_argnums", pos.batch, nargs)
+  caller = pos.caller
+  batch = _resolve_argnums("batch_argnums", pos.batch, nargs, caller)
   if len(set(batch)) != len(batch):
-    raise ValueError(f"microbatch: batch_argnums {pos.batch} name the same argument twice.")
-  _check_names(pos.names, kwargs)
-  rngs = _resolve_argnums("rng_argnums", pos.rngs, nargs)
-  states = _resolve_argnums("state_argnums", pos.states, nargs)
+    raise ValueError(f"{caller}: batch_argnums {pos.batch} name the same argument twice.")
+  _check_names(pos.names, kwargs, caller)
+  rngs = _resolve_argnums("rng_argnums", pos.rngs, nargs, caller)
+  states = _resolve_argnums("state_argnums", pos.states, nargs, caller)
   for name, other in (("rng_argnums", rngs), ("state_argnums", states)):
     both = sorted(set(batch) & set(other))
     if both:
-      raise ValueError(f"microbatch: argument {both[0]} is in both batch_argnums and {name}.")
+      raise ValueError(f"{caller}: argument {both[0]} is in both batch_argnums and {name}.")
   if set(rngs) & set(states):
-    raise ValueError("microbatch: an argument is in both rng_argnums and state_argnums.")
+    raise ValueError(f"{caller}: an argument is in both rng_argnums and state_argnums.")
   return pos._replace(batch=batch, rngs=rngs, states=states)
 
 
@@ -179,12 +194,12 @@ def _leaf_sizes(pos: Positions, trees: list[Any]) -> list[tuple[str, int | None,
   for what, tree, axis in zip(pos.describe(), trees, pos.axes, strict=True):
     leaves = jax.tree.leaves_with_path(tree)
     if not leaves:
-      raise ValueError(f"microbatch: batch {what} holds no arrays (got {tree!r}).")
+      raise ValueError(f"{pos.caller}: batch {what} holds no arrays (got {tree!r}).")
     for path, x in leaves:
       shape, where = jnp.shape(x), f"{what}{jax.tree_util.keystr(path)}"
       if shape and not -len(shape) <= axis < len(shape):
         raise ValueError(
-          f"microbatch: batch_axes gives axis {axis} for {where}, which has shape {shape}: no "
+          f"{pos.caller}: batch_axes gives axis {axis} for {where}, which has shape {shape}: no "
           "such axis."
         )
       sizes.append((where, shape[axis] if shape else None, axis))
@@ -197,14 +212,14 @@ def batch_size(pos: Positions, args: Sequence[Any], kwargs: dict[str, Any]) -> i
   scalars = [d for d, s, _ in sizes if s is None]
   if scalars:
     raise ValueError(
-      "microbatch: every leaf of a batch argument needs a batch axis; these are scalars: "
+      f"{pos.caller}: every leaf of a batch argument needs a batch axis; these are scalars: "
       + ", ".join(scalars)
       + ". Maybe they belong in a non-batch argument (see batch_argnums, batch_argnames)."
     )
   if len({s for _, s, _ in sizes}) > 1:
     listing = "\n".join(f"  {d}: {s} (axis {a})" for d, s, a in sizes)
     raise ValueError(
-      f"microbatch: the batch arguments disagree on the batch size (along batch_axes):\n{listing}"
+      f"{pos.caller}: the batch arguments disagree on the batch size (along batch_axes):\n{listing}"
     )
   return sizes[0][1]
 
@@ -272,6 +287,26 @@ def take(x: jax.Array, i: jax.Array, split: Split, axis: int = 0) -> jax.Array:
   """
   axis %= x.ndim - 1
   return lax.dynamic_index_in_dim(x, i, axis=_axis(split, axis), keepdims=False)
+
+
+def interleave(x: jax.Array, k: int, axis: int = 0) -> jax.Array:
+  """Rows ``i·b + j`` moved to ``j·k + i`` (``b = B/k``): the strided split of the result is the
+  contiguous split of `x`, row for row. ``interleave(y, B // k)`` undoes it.
+
+  This is how a contiguous split survives a batch sharded over devices in blocks: each device's
+  strided micro-batch ``i`` is then its piece of the global contiguous micro-batch ``i``. A
+  transpose: under a sharded batch, rows move between devices once.
+  """
+  axis %= x.ndim
+  b = x.shape[axis] // k
+  shape = (*x.shape[:axis], k, b, *x.shape[axis + 1 :])
+  spec = explicit_spec(x)
+  if spec is None:
+    return jnp.swapaxes(jnp.reshape(x, shape), axis, axis + 1).reshape(x.shape)
+  # Explicit sharding: the batch axis's devices go to the rows within each block (the rows
+  # move between devices here), so that the interleaved batch is sharded as `x` was.
+  blocks = jnp.reshape(x, shape, out_sharding=PartitionSpec(*spec[:axis], None, *spec[axis:]))
+  return jnp.reshape(jnp.swapaxes(blocks, axis, axis + 1), x.shape, out_sharding=spec)
 
 
 def zeros_split(like: Any, k: int, split: Split) -> jax.Array:

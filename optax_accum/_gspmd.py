@@ -1,26 +1,26 @@
-"""`data_parallel`: bind a data axis of the mesh under plain `jax.jit` (GSPMD).
+"""The axis binder: a data axis of the mesh bound under plain `jax.jit` (GSPMD).
 
 Under plain `jax.jit` with sharded arrays XLA decides the collectives, and it reduces every
 micro-batch's gradient where it is computed: k all-reduces per update, inside the loop. To
 defer the reduction the gradients must stay per-device until the update, which needs the data
-axis *bound*, as `jax.shard_map` binds it. `data_parallel` binds it over that one axis only:
+axis *bound*, as `jax.shard_map` binds it. `bind` binds it over that one axis only:
 
 * the mesh is the one in effect (`jax.set_mesh`, Auto or Explicit axes) or an explicit `mesh=`;
 * `fun` runs under ``jax.shard_map(..., axis_names={axis})``: manual over the data axis, the
   other mesh axes (a tensor-parallel "model" axis) stay automatic, so XLA still partitions
   `fun` over them and inserts their collectives where the model needs them;
-* batch arguments are split over the axis (along `batch_axes`); every other array argument is
-  the same on every device (an argument sharded over the data axis, an FSDP parameter, is
-  gathered once, on entry); the per-device sums of an `AccumulateState` are split over the
-  axis, so an optimizer state can leave one call and enter the next;
-* outputs that are the same on every device come out replicated over the axis; the per-device
-  sums of an `AccumulateState` come out stacked ``(num_devices, ...)``, as
-  `state_partition_specs` says; any other device-varying output is an error (or, with
-  ``varying="concat"``, is joined along its leading axis).
+* batch arguments are split over the axis (along `batch_axes`, positions read by `_batch`, the
+  one parser); every other array argument is the same on every device (an argument sharded over
+  the data axis, an FSDP parameter, is gathered once, on entry), except what the front end's
+  `state_specs` hook says is per-device state (an optimizer state's per-device sums);
+* outputs that are the same on every device come out replicated over the axis; per-device state
+  comes out as the hook says (stacked ``(num_devices, ...)``); any other device-varying output is
+  an error (or, with ``varying="concat"``, is joined along its leading axis).
 
-`fun` itself reduces what must be global: `microbatch(..., axis_name=axis)` after its loop,
-`accumulate(..., axis_name=axis)` on the emitting step. Inside a map that already binds the
-axis, `data_parallel` calls `fun` unchanged.
+The binder knows no optimizer state: the front end (`optax_accum._data_parallel`) passes the
+hook. `fun` itself reduces what must be global: `microbatch(..., axis_name=axis)` after its
+loop, `accumulate(..., axis_name=axis)` on the emitting step. Inside a map that already binds
+the axis, `fun` is called unchanged.
 
 ``sync="microbatch"`` is the other FSDP trade-off: it binds the axis as a trivial one (size 1,
 every collective over it the identity) and leaves the whole mesh to GSPMD, which reduces each
@@ -28,29 +28,33 @@ micro-batch's gradient where autodiff makes it — for parameters sharded over t
 reduce-scatter into an accumulator sharded like them, instead of a full-size accumulator on
 every device.
 
-`bind` is the same with the front end's name in its errors: the seam through which
-``microbatch(axis_name=...)`` and ``TrainStep(axis_name=...)`` bind the axis themselves.
+`Axis` is the axis of one call, resolved once (`resolve_axis`: the names, the mesh, whether an
+enclosing map binds it, whether this call binds it itself) and handed down, so that the code
+below asks it instead of testing whether the name is None.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, NamedTuple
 
 import jax
 import numpy as np
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _collectives
-from optax_accum._accumulate import AccumulateState
-from optax_accum._typing import AxisName
+from optax_accum import _batch, _collectives
+from optax_accum._typing import ArgNums, AxisName
 
 Sync = Literal["update", "microbatch"]
 SYNCS: tuple[str, ...] = ("update", "microbatch")
 Varying = Literal["error", "concat"]
 VARYINGS: tuple[str, ...] = ("error", "concat")
+# ``state_specs(x, entry)``: the spec tree of `x` if it is per-device state (its per-device
+# leaves split over the spec entry `entry`), else None. Called on every argument and output node.
+StateSpecs = Callable[[Any, Any], Any]
 
 OUTPUT_VARIES = (
   "{caller}: output{path} differs per device over axis_name={axis!r} ({type}), so it has "
@@ -61,7 +65,7 @@ OUTPUT_VARIES = (
 
 SYNC_MICROBATCH_STATE = (
   "{caller}: sync='microbatch' reduces every micro-step, but argument or output{path} is "
-  "an AccumulateState with per-device sums (accumulate(..., axis_name={axis!r})). For one "
+  "per-device state (e.g. an AccumulateState of accumulate(..., axis_name={axis!r})). For one "
   "reduction per micro-step under plain `jax.jit` use accumulate(..., axis_name=None): its "
   "accumulator then keeps each parameter's sharding (`state_partition_specs(tx, shardings, "
   "None)`). For one reduction per update keep axis_name and use sync='update'."
@@ -70,6 +74,76 @@ SYNC_MICROBATCH_STATE = (
 
 # ----------------------------------------------------------------------------------------------
 # The mesh and the axis.
+
+Mode = Literal["none", "mapped", "unbound", "bound_here"]
+
+
+class Axis(NamedTuple):
+  """The data-parallel axis of one call, resolved once by `resolve_axis` and handed down.
+
+  `mode` says where the call stands: "none" (no axis: everything here is the identity),
+  "mapped" (an enclosing `shard_map`/`pmap` binds it: outputs stay per device where the front
+  end says so), "unbound" (plain `jax.jit`: the front end binds it itself over `mesh`) and
+  "bound_here" (inside the map this call opened: outputs must be global).
+  """
+
+  name: AxisName | None  # as the user spelled it (a name or a tuple of names); None: no axis
+  mode: Mode
+  mesh: Any = None  # "unbound": the mesh to bind over
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return _collectives.axis_names(self.name) if self.mode != "none" else ()
+
+  @property
+  def bound(self) -> bool:
+    """True where collectives over the axis may run (inside a map)."""
+    return self.mode in ("mapped", "bound_here")
+
+  @property
+  def entry(self) -> Any:
+    """The spec entry for one array dimension split over the axis."""
+    return _axis_entry(self.names)
+
+  def index(self) -> jax.Array | int:
+    """This device's index along the axis (0 without one)."""
+    return lax.axis_index(self.name) if self.bound else 0
+
+  def size(self) -> int:
+    """The number of devices along the axis: inside a map, or on the mesh to bind over."""
+    if self.bound:
+      return int(np.prod([lax.axis_size(a) for a in self.names]))
+    if self.mode == "unbound":
+      return int(np.prod([self.mesh.shape[a] for a in self.names]))
+    return 1
+
+  def collective_name(self) -> AxisName | None:
+    """The name the collectives take: None (their identity) where the axis is not bound."""
+    return self.name if self.bound else None
+
+
+def resolve_axis(axis_name: AxisName | None, mesh: Any, caller: str) -> Axis:
+  """`axis_name` for this call: no axis, bound by an enclosing map, or to bind over a mesh.
+
+  Raises:
+    TypeError: for an `axis_name` that is not a name or a tuple of names.
+    ValueError: unbound with no mesh in effect, or a mesh without the axis (`find_mesh`).
+  """
+  if axis_name is None:
+    return Axis(None, "none")
+  check_axis_name(axis_name, caller)
+  if _collectives.is_bound(axis_name):
+    return Axis(axis_name, "mapped")
+  return Axis(axis_name, "unbound", find_mesh(axis_name, mesh, caller))
+
+
+def check_axis_name(axis_name: Any, caller: str) -> None:
+  """Raises TypeError unless `axis_name` is a mesh axis name or a non-empty tuple of them."""
+  axes = _collectives.axis_names(axis_name) if isinstance(axis_name, str | tuple | list) else ()
+  if not axes or not all(isinstance(a, str) for a in axes):
+    raise TypeError(
+      f"{caller}: axis_name must be a mesh axis name or a tuple of them, got {axis_name!r}."
+    )
 
 
 def find_mesh(axis_name: AxisName, mesh: Any, caller: str) -> Any:
@@ -114,28 +188,14 @@ def _is_array(x: Any) -> bool:
   return isinstance(x, jax.Array | np.ndarray | np.generic)
 
 
-def _is_state(x: Any) -> bool:
-  return isinstance(x, AccumulateState)
+def no_state(x: Any, entry: Any) -> None:
+  """The hook of a front end without per-device state."""
+  del x, entry
 
 
-def _per_device_state(x: Any) -> bool:
-  """An `AccumulateState` whose sums are per device (stacked over the axis outside the map)."""
-  return _is_state(x) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)
-
-
-def _state_specs(state: AccumulateState, entry: Any) -> AccumulateState:
-  """Specs of a per-device `AccumulateState`'s leaves: its sums split over the axis."""
-  rep = P()
-  split = jax.tree.map(lambda _: P(entry), state.acc_grads)
-  return AccumulateState(
-    mini_step=rep,
-    gradient_step=rep,
-    acc_grads=split,
-    acc_weight=P(entry),
-    num_skipped=P(entry),
-    inner_state=jax.tree.map(lambda _: rep, state.inner_state),
-    updated=rep,
-  )
+def _per_device(state_specs: StateSpecs, entry: Any) -> Callable[[Any], bool]:
+  """`is_leaf` for tree maps that stop at per-device state."""
+  return lambda x: state_specs(x, entry) is not None
 
 
 def _batch_spec(x: Any, axis: int, entry: Any, n: int, where: str, caller: str) -> P:
@@ -155,53 +215,17 @@ def _batch_spec(x: Any, axis: int, entry: Any, n: int, where: str, caller: str) 
   return P(*([None] * axis), entry)
 
 
-def _canonical_batch(
-  batch_argnums: Any, batch_argnames: Any, batch_axes: Any, caller: str
-) -> dict[int | str, int]:
-  """{argument position or keyword: batch axis}, axes in the order argnums then argnames."""
-  nums = (batch_argnums,) if isinstance(batch_argnums, int | np.integer) else tuple(batch_argnums)
-  names = (batch_argnames,) if isinstance(batch_argnames, str) else tuple(batch_argnames)
-  keys = tuple(int(a) for a in nums) + names
-  if isinstance(batch_axes, int | np.integer):
-    axes = (int(batch_axes),) * len(keys)
-  else:
-    axes = tuple(int(a) for a in batch_axes)
-    if len(axes) != len(keys):
-      raise ValueError(
-        f"{caller}: batch_axes must be an int or have one entry per batch argument "
-        f"(batch_argnums, then batch_argnames), got batch_axes={batch_axes!r} for "
-        f"{len(keys)} batch arguments."
-      )
-  return dict(zip(keys, axes, strict=True))
-
-
-def _resolve(batch: dict[int | str, int], nargs: int, kwargs: dict, caller: str) -> dict:
-  """The batch positions of this call: negative positions counted from the end, all present."""
-  out: dict[int | str, int] = {}
-  for key, axis in batch.items():
-    if isinstance(key, str):
-      if key not in kwargs:
-        raise ValueError(
-          f"{caller}: batch argument {key!r} (batch_argnames) was not passed by keyword; got "
-          f"keywords {sorted(kwargs)}."
-        )
-    elif not -nargs <= key < nargs:
-      raise ValueError(f"{caller}: batch_argnums {key} is out of range for {nargs} arguments.")
-    out[key % nargs if isinstance(key, int) else key] = axis
-  return out
-
-
-def _arg_specs(key: int | str, a: Any, batch: dict, entry: Any, n: int, caller: str) -> Any:
+def _arg_specs(key: int | str, a: Any, axes: dict, ctx: Binding) -> Any:
   """The spec tree of one argument (over the bound axis only)."""
-  if key in batch:
+  entry, caller = ctx.axis.entry, ctx.caller
+  if key in axes:
     name = f"argument {key}" if isinstance(key, int) else f"keyword argument {key!r}"
+    n = ctx.axis.size()
     return jax.tree_util.tree_map_with_path(
-      lambda p, x: _batch_spec(x, batch[key], entry, n, name + jax.tree_util.keystr(p), caller),
-      a,
+      lambda p, x: _batch_spec(x, axes[key], entry, n, name + jax.tree_util.keystr(p), caller), a
     )
-  return jax.tree.map(
-    lambda x: _state_specs(x, entry) if _per_device_state(x) else P(), a, is_leaf=_is_state
-  )
+  hook = ctx.state_specs
+  return jax.tree.map(lambda x: hook(x, entry) or P(), a, is_leaf=_per_device(hook, entry))
 
 
 def _place(x: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> Any:
@@ -233,40 +257,50 @@ def _place(x: Any, spec: P, mesh: Any, axes: tuple[str, ...]) -> Any:
 # Outputs.
 
 
-def _out_spec(
-  path: Any, t: Any, entry: Any, axes: tuple, varying: Varying, stacked: bool, caller: str
-) -> P:
-  if not set(axes) & _collectives.vma(t):
+def _out_spec(path: Any, t: Any, ctx: Binding) -> P:
+  entry = ctx.axis.entry
+  if not set(ctx.axis.names) & _collectives.vma(t):
     return P()
   where = jax.tree_util.keystr(path)
-  if stacked or varying == "concat":
+  if ctx.varying == "concat":
     if not t.shape:
       raise ValueError(
-        f"{caller}: output{where} is a scalar that differs per device over "
+        f"{ctx.caller}: output{where} is a scalar that differs per device over "
         f"axis_name={entry!r}; there is no leading axis to join the devices' values along. "
         f"Reduce it inside the function (e.g. `jax.lax.pmean(x, {entry!r})`)."
       )
     return P(entry)
   raise ValueError(
-    OUTPUT_VARIES.format(caller=caller, path=where, axis=entry, type=f"{t.dtype}{list(t.shape)}")
+    OUTPUT_VARIES.format(
+      caller=ctx.caller, path=where, axis=entry, type=f"{t.dtype}{list(t.shape)}"
+    )
   )
 
 
-def _out_specs(types: Any, entry: Any, axes: tuple, varying: Varying, caller: str) -> Any:
-  """Specs of `fun`'s outputs, from their types: replicated, or split over the axis."""
+def _out_specs(types: Any, ctx: Binding) -> Any:
+  """Specs of `fun`'s outputs: per-device state as the hook says; the rest from their types,
+  replicated, or (varying="concat") split over the axis."""
+  hook, entry = ctx.state_specs, ctx.axis.entry
 
   def node(path, x):
-    if _is_state(x):  # its per-device sums are device-varying: stacked over the axis
-      return jax.tree_util.tree_map_with_path(
-        lambda p, t: _out_spec(path + p, t, entry, axes, varying, True, caller), x
-      )
-    return _out_spec(path, x, entry, axes, varying, False, caller)
+    specs = hook(x, entry)
+    return _out_spec(path, x, ctx) if specs is None else specs
 
-  return jax.tree_util.tree_map_with_path(node, types, is_leaf=_is_state)
+  return jax.tree_util.tree_map_with_path(node, types, is_leaf=_per_device(hook, entry))
 
 
 # ----------------------------------------------------------------------------------------------
 # The two ways to bind.
+
+
+class Binding(NamedTuple):
+  """How one front end binds: the axis, its hook for per-device state (`no_state`: none), what
+  to do with device-varying outputs, and its name for errors."""
+
+  axis: Axis
+  state_specs: StateSpecs
+  varying: Varying
+  caller: str
 
 
 def _flatten_args(args: tuple, kwargs: dict) -> tuple[list[int], Callable[[list], tuple]]:
@@ -287,16 +321,14 @@ def _flatten_args(args: tuple, kwargs: dict) -> tuple[list[int], Callable[[list]
   return where, rebuild
 
 
-def _bind_manual(
-  fun: Callable, mesh: Any, axes: tuple, batch: dict, varying: Varying, caller: str, args, kwargs
-) -> Any:
-  """`fun` under `shard_map`, manual over `axes` only (sync="update")."""
-  entry = _axis_entry(axes)
-  n = int(np.prod([dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))[a] for a in axes]))
-  batch = _resolve(batch, len(args), kwargs, caller)
+def run_bound(fun: Callable, ctx: Binding, pos: _batch.Positions, args, kwargs) -> Any:
+  """`fun(*args, **kwargs)` under `shard_map` over the mesh of ``ctx.axis`` (mode "unbound"),
+  manual over its names only (sync="update"); `pos` is the call's resolved batch positions."""
+  axes, mesh = ctx.axis.names, ctx.axis.mesh
+  batch = pos.axis_of()
   spec_tree = (
-    tuple(_arg_specs(i, a, batch, entry, n, caller) for i, a in enumerate(args)),
-    {key: _arg_specs(key, a, batch, entry, n, caller) for key, a in kwargs.items()},
+    tuple(_arg_specs(i, a, batch, ctx) for i, a in enumerate(args)),
+    {key: _arg_specs(key, a, batch, ctx) for key, a in kwargs.items()},
   )
   where, rebuild = _flatten_args(args, kwargs)
   leaves = jax.tree.leaves((args, kwargs))
@@ -318,8 +350,7 @@ def _bind_manual(
 
   sm = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), axis_names=set(axes))
   jax.eval_shape(sm(probe, out_specs=()), arrays)
-  out_specs = _out_specs(types[0], entry, axes, varying, caller)
-  return sm(body, out_specs=out_specs)(arrays)
+  return sm(body, out_specs=_out_specs(types[0], ctx))(arrays)
 
 
 def _trivially_mapped(f: Callable, axis: str) -> Callable:
@@ -331,135 +362,107 @@ def _trivially_mapped(f: Callable, axis: str) -> Callable:
   return g
 
 
-def _bind_trivial(fun: Callable, axes: tuple, caller: str, args, kwargs) -> Any:
-  """`fun` with `axes` bound as size-1 vmap axes: every collective over them is the identity,
+def _bind_trivial(fun: Callable, ctx: Binding, args, kwargs) -> Any:
+  """`fun` with the axis bound as size-1 vmap axes: every collective over them is the identity,
   and GSPMD partitions `fun` over the whole mesh (sync="microbatch")."""
-  for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state):
-    if _per_device_state(x):
-      raise ValueError(SYNC_MICROBATCH_STATE.format(caller=caller, path="", axis=_axis_entry(axes)))
+  entry = ctx.axis.entry
+  per_device = _per_device(ctx.state_specs, entry)
+  if any(per_device(x) for x in jax.tree.leaves((args, kwargs), is_leaf=per_device)):
+    raise ValueError(SYNC_MICROBATCH_STATE.format(caller=ctx.caller, path="", axis=entry))
 
   def call(_):
     return fun(*args, **kwargs)
 
   f = call
-  for a in reversed(axes):
+  for a in reversed(ctx.axis.names):
     f = _trivially_mapped(f, a)
   out = f(np.zeros((), np.int32))
-  for x in jax.tree.leaves(out, is_leaf=_is_state):
-    if _per_device_state(x):
-      raise ValueError(
-        SYNC_MICROBATCH_STATE.format(caller=caller, path=" (an output)", axis=_axis_entry(axes))
-      )
+  if any(per_device(x) for x in jax.tree.leaves(out, is_leaf=per_device)):
+    raise ValueError(
+      SYNC_MICROBATCH_STATE.format(caller=ctx.caller, path=" (an output)", axis=entry)
+    )
   return out
 
 
-def data_parallel(
-  fun: Callable[..., Any],
-  axis_name: AxisName,
-  *,
-  batch_argnums: int | Sequence[int] = (),
-  batch_argnames: str | Sequence[str] = (),
-  batch_axes: int | Sequence[int] = 0,
-  mesh: Any = None,
-  varying: Varying = "error",
-  sync: Sync = "update",
-) -> Callable[..., Any]:
-  """Runs `fun` once per device over the mesh axis `axis_name`, under plain `jax.jit`.
+def _legacy_state_specs(x: Any, entry: Any) -> Any:
+  """The default hook while `TrainStep` (branch acc) still calls `bind` without one.
 
-  Binds `axis_name` the way `jax.shard_map` does, over that axis only (the other mesh axes stay
-  automatic), so that inside `fun` gradients can stay per-device and
-  ``microbatch(..., axis_name=...)`` / ``accumulate(..., axis_name=...)`` reduce them once per
-  update instead of XLA reducing every micro-batch. Each device sees its share of the batch
-  arguments and the whole of every other argument. Inside a map that already binds
-  `axis_name`, `fun` is called unchanged.
-
-  Outputs that are the same on every device (what `microbatch` and `accumulate` reduce) come
-  out replicated over the axis; the per-device sums of an `AccumulateState` come out stacked
-  ``(num_devices, ...)`` and go back in split, as `state_partition_specs` describes them.
-
-  Args:
-    fun: the function to run per device; it reduces over `axis_name` what must be global.
-    axis_name: the data-parallel mesh axis (or a tuple of axes) the batch is sharded over.
-    batch_argnums: the positional arguments split over the devices (every array leaf along its
-      batch axis); all other array arguments are passed whole to every device. Arguments
-      sharded over `axis_name` that are not batch arguments (FSDP parameters) are gathered
-      once, on entry.
-    batch_argnames: keyword arguments split over the devices, like `batch_argnums`.
-    batch_axes: the batch axis: one int for every batch argument, or one per argument in the
-      order ``batch_argnums + batch_argnames`` (as `microbatch` takes them).
-    mesh: the mesh; default the one in effect (``jax.set_mesh``).
-    varying: what to do with an output that differs per device and is not an
-      `AccumulateState`'s sums: "error" (default), or "concat" to join the devices' values
-      along its leading axis (per-example outputs).
-    sync: "update" (default): bind the axis over the devices, one reduction per update, and
-      arguments sharded over the axis are gathered (a full-size accumulator per device).
-      "microbatch": bind it as a trivial axis of size 1 (its collectives are the identity) and
-      leave the whole mesh to GSPMD, which reduces each micro-batch's gradient (for parameters
-      sharded over the axis: a reduce-scatter into an accumulator sharded like them).
-
-  Returns:
-    A function with `fun`'s signature, to be called (typically under `jax.jit`) with global
-    arrays.
-
-  Raises:
-    ValueError: at call time, with no mesh in effect, a mesh without `axis_name`, a batch that
-      does not divide over the devices, or an output that differs per device (see `varying`).
-
-  >>> import jax, jax.numpy as jnp, optax_accum
-  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
-  >>> def mean_of_squares(w, x):  # per device, then global: ONE all-reduce
-  ...   return jax.lax.pmean(jnp.mean((x @ w) ** 2), "data")
-  >>> f = jax.jit(optax_accum.data_parallel(mean_of_squares, "data", batch_argnums=1, mesh=mesh))
-  >>> x = jnp.arange(8.0 * jax.device_count()).reshape(-1, 2)
-  >>> bool(jnp.allclose(f(jnp.ones(2), x), jnp.mean((x @ jnp.ones(2)) ** 2)))
-  True
+  TODO(lead): remove after merging acc, once TrainStep calls `_data_parallel.bind` (or passes
+  `state_specs=`): the binder must not know the optimizer's state type.
   """
-  return bind(
-    fun,
-    axis_name,
-    batch_argnums=batch_argnums,
-    batch_argnames=batch_argnames,
-    batch_axes=batch_axes,
-    mesh=mesh,
-    varying=varying,
-    sync=sync,
-    caller="data_parallel",
-  )
+  from optax_accum import _data_parallel  # noqa: PLC0415 (lazy: _data_parallel imports us)
+
+  return _data_parallel.state_specs(x, entry)
+
+
+class BindOptions(NamedTuple):
+  """`bind`'s keyword options (`data_parallel` documents them)."""
+
+  batch_argnums: ArgNums = ()  # positions split over the devices
+  batch_argnames: str | tuple[str, ...] = ()  # keywords split over the devices
+  batch_axes: ArgNums = 0  # each batch argument's batch axis
+  mesh: Any = None  # None: the mesh in effect
+  varying: Varying = "error"  # or "concat": join device-varying outputs
+  sync: Sync = "update"  # or "microbatch": a trivial axis, GSPMD reduces
 
 
 def bind(
   fun: Callable[..., Any],
   axis_name: AxisName,
   *,
-  batch_argnums: int | Sequence[int] = (),
-  batch_argnames: str | Sequence[str] = (),
-  batch_axes: int | Sequence[int] = 0,
-  mesh: Any = None,
-  varying: Varying = "error",
-  sync: Sync = "update",
   caller: str,
+  state_specs: StateSpecs | None = _legacy_state_specs,
+  **options: Any,
 ) -> Callable[..., Any]:
-  """`data_parallel`, naming `caller` (the front end) in its errors: the one seam through which
-  ``microbatch(axis_name=...)`` and ``TrainStep(axis_name=...)`` bind the axis under plain jit."""
+  """`fun` with `axis_name` bound under plain jit, naming `caller` (the front end) in its errors.
+
+  The one seam through which ``data_parallel`` and ``TrainStep(axis_name=...)`` bind the axis
+  (``microbatch(axis_name=...)`` resolves its axis itself and calls `run_bound`). `options` are
+  `BindOptions`' fields. `state_specs` (``(node, entry) -> spec tree | None``) names the
+  per-device state among arguments and outputs; None: there is none. Arguments are checked
+  here; the axis is resolved once per call (`resolve_axis`).
+  """
+  opts = BindOptions(**options)
   if not callable(fun):
     raise TypeError(f"{caller}: fun must be callable, got {fun!r}.")
-  axes = _collectives.axis_names(axis_name)
-  if not axes or not all(isinstance(a, str) for a in axes):
-    raise TypeError(f"{caller}: axis_name must be a mesh axis name or a tuple of them, got "
-                    f"{axis_name!r}.")  # fmt: skip
-  if varying not in VARYINGS:
-    raise ValueError(f"{caller}: varying must be one of {VARYINGS}, got {varying!r}.")
-  if sync not in SYNCS:
-    raise ValueError(f"{caller}: sync must be one of {SYNCS}, got {sync!r}.")
-  batch = _canonical_batch(batch_argnums, batch_argnames, batch_axes, caller)
+  if opts.varying not in VARYINGS:
+    raise ValueError(f"{caller}: varying must be one of {VARYINGS}, got {opts.varying!r}.")
+  if opts.sync not in SYNCS:
+    raise ValueError(f"{caller}: sync must be one of {SYNCS}, got {opts.sync!r}.")
+  pos = _batch.positions(
+    opts.batch_argnums, opts.batch_argnames, opts.batch_axes, caller=caller, need_batch=False
+  )
+  check_axis_name(axis_name, caller)
+  hook = state_specs or no_state
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    if _collectives.is_bound(axis_name):
+    axis = _resolve_for(axis_name, opts.mesh, opts.sync, caller)
+    if axis.mode == "mapped":
       return fun(*args, **kwargs)
-    if sync == "microbatch":
-      return _bind_trivial(fun, axes, caller, args, kwargs)
-    found = find_mesh(axis_name, mesh, caller)
-    return _bind_manual(fun, found, axes, batch, varying, caller, args, kwargs)
+    binding = Binding(axis, hook, opts.varying, caller)
+    if opts.sync == "microbatch":
+      return _bind_trivial(fun, binding, args, kwargs)
+    return run_bound(fun, binding, _batch.resolve(pos, len(args), kwargs), args, kwargs)
 
   return wrapped
+
+
+def _resolve_for(axis_name: AxisName, mesh: Any, sync: Sync, caller: str) -> Axis:
+  """`resolve_axis`, except that sync="microbatch" needs no mesh (it binds a trivial axis)."""
+  if sync == "microbatch" and not _collectives.is_bound(axis_name):
+    return Axis(axis_name, "unbound")
+  return resolve_axis(axis_name, mesh, caller)
+
+
+def __getattr__(name: str) -> Any:
+  """`_gspmd.data_parallel`, still imported by `optax_accum/__init__.py` (not this branch's file).
+
+  TODO(lead): in `__init__.py` import ``from optax_accum._data_parallel import data_parallel``
+  and delete this hook. Lazy, because `_data_parallel` imports this module.
+  """
+  if name == "data_parallel":
+    from optax_accum._data_parallel import data_parallel  # noqa: PLC0415
+
+    return data_parallel
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

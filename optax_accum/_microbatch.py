@@ -2,10 +2,13 @@
 
 Reads top-down (`_run`): resolve where the batch, keys and state sit → reshape the batch
 arguments (free, no copy; which rows go into micro-batch ``i`` is `_batch`'s business) → trace
-`fun` once abstractly for its output plan (which leaf is reduced how, which leaves are the
-threaded state) → one loop whose body reads micro-batch ``i`` in place, calls `fun` on it and
-adds its outputs to sums kept in a named carry (with the shared `_core`, so XLA updates them in
-place) → reduce across devices and normalise, once, after the loop.
+`fun` once abstractly for its output plan (`_outputs`: which leaf is reduced how, which leaves
+are the threaded state) → one loop whose body reads micro-batch ``i`` in place, calls `fun` on
+it and adds its outputs to sums kept in a named carry (with the shared `_core`, so XLA updates
+them in place) → reduce across devices and normalise, once, after the loop.
+
+Every ``k`` takes this one path, ``k = 1`` included (its loop is one call of the body): the same
+weights, the same dropping of non-finite micro-batches, the same output shapes and dtypes.
 
 The loop is `lax.fori_loop`: with a trip count known when tracing (``k``, or a Python-int
 number of real micro-batches) it is one `lax.scan`, compiled to a loop of known trip count;
@@ -13,12 +16,14 @@ with a traced count it is a while loop that stops after the real micro-batches. 
 over all ``k`` with a `lax.cond` skipping the padding would run ``k`` iterations whatever the
 count, and on GPU XLA reads a conditional's predicate back to the host on each of them (as it
 reads a while loop's condition): the while loop does the least work and the fewest reads.
+
+The data-parallel axis is resolved once per call into a `_gspmd.Axis` and handed down: no
+axis, bound by the caller's map, or bound here (plain `jax.jit`) through `_gspmd.run_bound`.
 """
 
 from __future__ import annotations
 
 import functools
-import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -28,18 +33,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _batch, _checks, _collectives, _core, _gspmd
-from optax_accum._typing import OUT_REDUCTIONS, SPLITS, ArgNums, AxisName, DType, Split
-
-_HINTS = {
-  "avg": "mean",
-  "average": "mean",
-  "concatenate": "concat",
-  "stack": "concat",
-  "cat": "concat",
-  "final": "last",
-  "total": "sum",
-}
+from optax_accum import _batch, _checks, _collectives, _core, _gspmd, _noise, _outputs
+from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
   "microbatch: state_argnums={argnums} needs `state_out`, a function that picks the new state "
@@ -49,12 +44,31 @@ STATE_OUT_MISSING = (
   "                      state_out=lambda out: out[0][1])\n"
 )
 
-STATE_OUT_NOT_SELECTION = (
-  "microbatch: state_out must *select* the new state out of fun's output (indexing, attribute "
-  "access), so that those output leaves come back as the final state. Applied to fun's output "
-  "with every leaf replaced by an integer marker of its position, it {what}. Return the "
-  "output's own leaves, e.g. `state_out=lambda out: out[0][1]`, not a value computed from them."
+UNNAMED_BATCH = (
+  "microbatch: fun failed on one micro-batch ({b} of the batch's {size} rows; batch arguments: "
+  "{named}): {error}\n{suspects} passed whole to every micro-batch, but its leading size is the "
+  "batch size {size}: if it holds batch data, name it, e.g. batch_argnums={hint} (positions) or "
+  "batch_argnames=(...) (keywords)."
 )
+
+CONTIGUOUS_IN_MAP = (
+  "microbatch: split='contiguous' with num_real_microbatches inside a map that binds "
+  "axis_name={axis!r}: each device holds its own block of rows, so its first n micro-batches "
+  "are not pieces of the batch's first n contiguous micro-batches. Use split='strided' (each "
+  "device's micro-batch i is then its piece of the batch's micro-batch i, with no data "
+  "movement), or call microbatch under plain jax.jit with axis_name (it lays the rows out "
+  "itself)."
+)
+
+
+class MicrobatchInfo(NamedTuple):
+  """What a `microbatch` call saw besides its outputs (``return_info=True``); global values."""
+
+  num_skipped: jax.Array  # shape=(), dtype=jnp.int32: micro-batches dropped for NaN/Inf
+  total_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ over the kept micro-batches
+  # With `noise_scale`: this step's window statistics of the gradient (`noise_scale`'s
+  # `NoiseScale`: window_trace_cov T, window_grad_sq Q, and b_simple = T / Q); else None.
+  noise: _noise.NoiseScale | None = None
 
 
 class _Options(NamedTuple):
@@ -70,40 +84,29 @@ class _Options(NamedTuple):
   state_out: Callable[[Any], Any] | None
   accum_dtype: jnp.dtype | None
   split: Split
+  skip_nonfinite: bool
+  return_info: bool
+  noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
   mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
-  bound_here: bool = False  # this call bound `axis_name` itself (no enclosing map did)
-
-
-class _Outputs(NamedTuple):
-  """The output plan: what becomes of each leaf of `fun`'s output."""
-
-  tree: Any  # the PyTreeDef of fun's output
-  like: tuple[jax.ShapeDtypeStruct, ...]  # one micro-batch's value, per leaf
-  kinds: tuple[str, ...]  # per leaf: "mean", "sum", "concat", "last" or "state"
-  # Per "concat" leaf, the layout of its rows buffer: the split's for per-example values (one
-  # row per example: original example order), "contiguous" otherwise (micro-batch order).
-  layouts: tuple[Split, ...]
-  state: tuple[tuple[int, ...], ...]  # per state argument: the output leaves of its new value
-  total: jax.ShapeDtypeStruct  # the accumulated weight's type (its device variance)
-
-  def pick(self, leaves: Any, kind: str) -> list[Any]:
-    """The entries of `leaves` (one per output leaf) whose leaf is reduced by `kind`."""
-    return [x for x, r in zip(leaves, self.kinds, strict=True) if r == kind]
+  axis: _gspmd.Axis = _gspmd.Axis(None, "none")  # resolved per call
 
 
 class _Carry(NamedTuple):
   """What the loop carries from one micro-batch to the next."""
 
   means: list[jax.Array]  # Σ wᵢ fᵢ of the "mean" leaves, in the accumulation dtype
-  sums: list[jax.Array]  # Σ fᵢ of the "sum" leaves
-  total: jax.Array  # Σ wᵢ; shape=(), dtype=jnp.float32
-  # How many weights were negative, NaN or ±Inf; shape=(), dtype=jnp.float32 (a count in the
-  # sums' dtype, so that it rides in their one all-reduce: XLA keeps collectives of different
-  # dtypes apart). The weighted means are NaN then: never a finite wrong number.
-  invalid: jax.Array
+  sums: list[jax.Array]  # Σ wᵢ fᵢ of the "sum" leaves
+  total: jax.Array  # Σ wᵢ of the kept micro-batches; shape=(), dtype=jnp.float32
+  # Counts in float32, the sums' dtype, so that they ride in their one all-reduce (XLA keeps
+  # collectives of different dtypes apart): weights that were negative, NaN or ±Inf (the
+  # weighted outputs are NaN then: never a finite wrong number), and micro-batches dropped for
+  # non-finite values (skip_nonfinite).
+  invalid: jax.Array  # shape=(), dtype=jnp.float32
+  skipped: jax.Array  # shape=(), dtype=jnp.float32
+  noise: _noise.NoiseState  # Σ wᵢ|gᵢ|² and the kept count of the gradient (noise_scale)
   last: list[jax.Array]  # the latest value of the "last" leaves
-  rows: list[jax.Array]  # every micro-batch's "concat" values (zeros until written)
+  rows: list[jax.Array]  # every micro-batch's "concat" and "stack" values (zeros until written)
   state: tuple[Any, ...]  # the threaded state arguments
   # The call's (args, kwargs), batch arguments split: loop-invariant operands XLA neither
   # copies nor moves (values enter the loop as operands, not closures).
@@ -112,23 +115,6 @@ class _Carry(NamedTuple):
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (factory time).
-
-
-def _check_reduction(reduction: Any) -> Any:
-  paths = jax.tree.leaves_with_path(reduction)
-  bad = [(p, r) for p, r in paths if not (isinstance(r, str) and r in OUT_REDUCTIONS)]
-  if not paths or bad:
-    lines = []
-    for p, r in bad:
-      hint = f" Maybe you meant {_HINTS[r]!r}." if isinstance(r, str) and r in _HINTS else ""
-      lines.append(f"  reduction{jax.tree_util.keystr(p)} = {r!r}.{hint}")
-    raise ValueError(
-      f"microbatch: reduction must be one of {OUT_REDUCTIONS} or a pytree prefix of fun's "
-      f"output with those strings at its leaves, got {reduction!r}"
-      + (":\n" if lines else ".")
-      + "\n".join(lines)
-    )
-  return reduction
 
 
 def _check_callables(fun: Any, weight_fn: Any, state_out: Any, states: tuple[int, ...]) -> None:
@@ -158,13 +144,23 @@ def _check_sizes(num_microbatches: Any, microbatch_size: Any) -> tuple[int | Non
   return None, _checks.positive_int(microbatch_size, "microbatch_size", "microbatch")
 
 
-def _check_num_real(value: Any, k: int | None) -> int | jax.Array | None:
-  """A host int in ``[0, k]`` (checked), or an integer scalar array (clamped when it is used)."""
+def check_num_real(value: Any, k: int | None, *, sized: bool = False) -> int | jax.Array | None:
+  """`num_real_microbatches`: None, a host int in ``[0, k]``, or an integer scalar array
+  (clamped into ``[0, k]`` where it is used). `sized`: `k` came from `microbatch_size`.
+
+  The one check of the count: at factory time (`k` None when not known yet), per call once
+  `k` is known, and by `plan_microbatches`.
+  """
   if value is None:
     return None
   if isinstance(value, np.ndarray) and value.ndim == 0:
     value = value[()]  # a 0-d NumPy array is a host value too
   if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
+    if sized and value > k:
+      raise ValueError(
+        f"microbatch: num_real_microbatches={value} is more than the {k} micro-batches this "
+        "batch holds (batch size / microbatch_size)."
+      )
     if value < 0 or (k is not None and value > k):
       upper = f"num_microbatches={k}" if k is not None else "num_microbatches"
       raise ValueError(f"microbatch: num_real_microbatches must be in [0, {upper}], got {value}.")
@@ -180,16 +176,12 @@ def _check_num_real(value: Any, k: int | None) -> int | jax.Array | None:
   )
 
 
-def _trips(num_real: int | jax.Array | None, k: int) -> int | jax.Array:
+def _trips(num_real: int | jax.Array | None, k: int, sized: bool) -> int | jax.Array:
   """How many micro-batches run: k, a checked host int, or a device scalar clamped into [0, k]."""
+  num_real = check_num_real(num_real, k, sized=sized)
   if num_real is None:
     return k
   if isinstance(num_real, int):
-    if num_real > k:
-      raise ValueError(
-        f"microbatch: num_real_microbatches={num_real} is more than the {k} micro-batches this "
-        "batch holds (batch size / microbatch_size)."
-      )
     return num_real
   return jnp.clip(num_real, 0, k).astype(jnp.int32)
 
@@ -214,6 +206,9 @@ def microbatch(
   state_out: Callable[[Any], Any] | None = None,
   accum_dtype: DType | None = jnp.float32,
   split: Split = "strided",
+  skip_nonfinite: bool = True,
+  return_info: bool = False,
+  noise_scale: int | Callable[[Any], Any] | None = None,
   axis_name: AxisName | None = None,
   mesh: Any = None,
 ) -> Callable[..., Any]:
@@ -224,21 +219,30 @@ def microbatch(
   `lax.scan` (program size and compile time do not grow with ``k``) and combines the outputs
   leaf by leaf. With ``fun = jax.value_and_grad(loss)`` and a loss that is a mean over the
   batch, the result is the large batch's loss and gradient at the memory of one micro-batch.
+  ``k = 1`` is no special case: one call of `fun` through the same path, with the same
+  weights, non-finite handling, output shapes and dtypes as any ``k``.
 
   Reductions, per output leaf (``fᵢ`` is micro-batch ``i``'s value, ``wᵢ`` its weight):
 
-  * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`);
-  * ``"sum"``: ``Σ fᵢ``, unweighted (for quantities already summed over examples: counts,
-    summed losses);
-  * ``"concat"``: the per-micro-batch values joined along their leading axis. Per-example
-    values (a leading axis of one row per example of the micro-batch) come back in the
-    original example order, for both splits. Other values (a scalar, another leading size)
-    are joined in micro-batch order: micro-batch 0's rows first; a scalar becomes a ``(k,)``
-    vector;
+  * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`); the mean of an integer
+    output is a float;
+  * ``"sum"``: ``Σ wᵢ fᵢ``, weighted as in `accumulate` (with the default weights 1, the plain
+    sum; with `weight_fn`, an integer output's weighted sum is a float);
+  * ``"concat"``: per-example rows: the output must have one row per example of the
+    micro-batch (leading size ``b = B/k``), and the rows come back as ``(B, ...)`` in the
+    batch's own example order, for both splits. Any other shape raises (use "stack");
+  * ``"stack"``: one entry per micro-batch: a new leading axis of length ``k``, in micro-batch
+    order (a scalar becomes ``(k,)``);
   * ``"last"``: the last micro-batch's value.
 
   "mean" and "sum" are accumulated in `accum_dtype` and cast back to the output's dtype once,
-  at the end.
+  at the end. Nothing is inferred from shapes: which outputs are rows and which are one per
+  micro-batch is what `reduction` says.
+
+  Non-finite micro-batches (`skip_nonfinite`, default True, as in `accumulate`): a micro-batch
+  with a NaN or ±Inf in any of its "mean" or "sum" outputs is dropped: neither its values nor
+  its weight enter the sums. The other outputs are not read ("concat", "stack" and "last"
+  keep what `fun` returned; a threaded state advances). ``return_info=True`` returns the count.
 
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
@@ -249,19 +253,21 @@ def microbatch(
   A padded batch (the last, partly empty batch of an epoch at the usual shape): pass
   `num_real_microbatches` ``n`` and only the first ``n`` micro-batches run — the loop stops
   after them. "mean" and "sum" cover the real micro-batches only, "last" and the state come
-  from the last real one, and "concat" rows of the others are zeros. With ``n = 0`` nothing
-  runs: "mean" and "sum" give zeros (as all-zero weights do) and the state comes back as given.
+  from the last real one, and "concat"/"stack" entries of the others are zeros. With ``n = 0``
+  nothing runs: "mean" and "sum" give zeros (as all-zero weights do) and the state comes back
+  as given.
 
   Args:
     fun: the function to run per micro-batch, e.g. ``jax.value_and_grad(loss, has_aux=True)``.
-    num_microbatches: ``k``, a positive int dividing the batch size. 1 calls `fun` directly.
-      Give this or `microbatch_size`, not both.
+    num_microbatches: ``k``, a positive int dividing the batch size. Give this or
+      `microbatch_size`, not both.
     microbatch_size: the number of examples per micro-batch, ``b``, instead of ``k``
       (then ``k = B / b`` at each call; ``B`` must be a multiple of ``b``).
     batch_argnums: the positional arguments (pytrees) whose leaves have the batch axis.
       Default: argument 1, or none when `batch_argnames` is given. Every batch leaf must have
       the same size ``B`` along its batch axis, divisible by ``k``. Other arguments are passed
-      to every micro-batch unchanged.
+      to every micro-batch unchanged (if `fun` fails and one of them has the batch's leading
+      size, the error says so: name it here).
     batch_argnames: keyword arguments (a name or a sequence of names) that hold batch pytrees,
       like `batch_argnums`; calls must pass them by keyword.
     batch_axes: the batch axis: one int for every batch argument, or one per argument in the
@@ -273,19 +279,22 @@ def microbatch(
       into ``[0, k]``. A traced count runs as a while loop whose trip count is data-dependent:
       it cannot be differentiated in reverse mode (take gradients inside `fun`, as
       `jax.value_and_grad` does), and on GPU XLA reads its condition back to the host once
-      per micro-batch (a Python int keeps a fixed trip count, one compile per value). With
-      `axis_name` each device may hold its own count; "mean" and "sum" then cover every
-      device's real micro-batches.
-    reduction: "mean", "sum", "concat" or "last", or a pytree prefix of `fun`'s output with
-      those strings at its leaves, e.g. ``("mean", "concat")`` for ``(loss, logits)``.
+      per micro-batch (a Python int keeps a fixed trip count, one compile per value). Inside
+      a map that binds `axis_name` each device may hold its own count; "mean" and "sum" then
+      cover every device's real micro-batches (split "strided" only: see `axis_name`).
+    reduction: "mean", "sum", "concat", "stack" or "last", or a pytree prefix of `fun`'s
+      output with those strings at its leaves, e.g. ``("mean", "concat")`` for
+      ``(loss, per_example_logits)``.
     weight_fn: called like `fun` (the batch arguments replaced by one micro-batch, the same
       PRNG keys and state), returns that micro-batch's non-negative scalar weight, e.g. its
-      number of real (non-padding) tokens. Default: equal weights.
+      number of real (non-padding) tokens. Default: equal weights (1). A host value that is
+      negative, NaN or ±Inf raises, naming `weight_fn`; a traced one makes the weighted
+      outputs ("mean", "sum") NaN, never a finite wrong number.
     rng_argnums: positional arguments that are PRNG keys (typed ``jax.random.key`` or raw
       ``jax.random.PRNGKey``), or pytrees of them. Micro-batch ``i`` gets
-      ``jax.random.fold_in(key, i)``: a different key each, derived deterministically.
-      With `axis_name` the key is first folded with the device's `lax.axis_index`, so
-      devices never share masks either.
+      ``jax.random.fold_in(key, i)`` (for every ``k``, 1 included): a different key each,
+      derived deterministically, never the given key itself. With `axis_name` the key is
+      first folded with the device's `lax.axis_index`, so devices never share masks either.
     state_argnums: positional arguments threaded through the micro-batches in order.
     state_out: ``output -> new state`` (one value when `state_argnums` is an int, a tuple when
       it is a sequence) that *selects* leaves of `fun`'s output (indexing, attribute access),
@@ -296,30 +305,55 @@ def microbatch(
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
       "contiguous" (consecutive blocks of ``B/k`` rows).
+    skip_nonfinite: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf (see
+      above). False: they enter the sums (and the results are non-finite).
+    return_info: return ``(output, info)``, where ``info`` is a `MicrobatchInfo`:
+      ``num_skipped`` (micro-batches dropped by `skip_nonfinite`; with `axis_name`, each
+      device's piece counts) and ``total_weight`` (Σ wᵢ of the kept ones), both global.
+    noise_scale: measure the gradient noise scale of this step's micro-batches (implies
+      `return_info`): which output is the gradient, as an int ``j`` (the output's ``j``-th
+      entry: 1 for ``jax.value_and_grad``'s ``(value, grad)``) or a selector
+      ``lambda out: out[0][1]`` (as `state_out`); its leaves must be reduced by "mean".
+      ``info.noise`` is then a `NoiseScale` (as `optax_accum.noise_scale` returns for
+      `accumulate`) of this one window: ``window_trace_cov`` ``T = (Σ wᵢ|gᵢ|² − W|ḡ|²) /
+      (n − 1)``, ``window_grad_sq`` ``Q = |ḡ|² − T/W`` over the ``n`` kept micro-batches
+      (``ḡ`` their weighted mean, ``W`` the total weight), ``grad_sq``/``trace_cov`` the same
+      (one window: nothing to smooth) and ``b_simple = T / Q``, in units of the weight; NaN
+      with fewer than two kept micro-batches. Costs one squared-norm reduction per
+      micro-batch and two scalars in the loop, no parameter-sized memory. With `axis_name`,
+      each device's micro-batches are further pieces of the window (2 devices × k count as
+      2k micro-batches); the two scalars ride on the one all-reduce after the loop.
     axis_name: the data-parallel axis: "mean" and "sum" outputs (and the weights) are reduced
       over it once, after the loop, to the global large-batch result. The non-batch arguments
       are made device-varying first, so gradients taken inside `fun` stay local (no
-      collective in the loop). Inside `shard_map`/`pmap` (which bind the axis), "concat" and
-      "last" outputs stay per device. Under plain `jax.jit` with a mesh in effect
-      (`jax.set_mesh`, Auto or Explicit axes) or given as `mesh`, `microbatch` binds the axis
-      itself over that mesh axis only (`optax_accum.data_parallel`; other mesh axes stay
-      automatic): each device runs the micro-batches of its share of the batch, the outputs
-      are global ("concat" rows joined in the batch's order; a threaded state or "last"
-      output that differs per device is an error), and `microbatch_size` counts each
-      device's rows.
+      collective in the loop). A "sum" output that `fun` already reduced over the axis (the
+      same on every device) is not reduced again, with a warning (or an error when the
+      weights differ per device). Inside `shard_map`/`pmap` (which bind the axis) each
+      device's rows are its batch: "concat", "stack" and "last" outputs stay per device, and
+      the strided split's micro-batch ``i`` is the device's piece of the whole batch's
+      micro-batch ``i`` (a contiguous split with `num_real_microbatches` raises there). Under
+      plain `jax.jit` with a mesh in effect (`jax.set_mesh`, Auto or Explicit axes) or given as
+      `mesh`, `microbatch` binds the axis itself over that mesh axis only (other mesh axes
+      stay automatic) and gives the result of the same call without `axis_name`: micro-batch
+      ``i`` is the whole batch's micro-batch ``i`` for both splits (each device runs its piece;
+      "contiguous" moves rows between devices once to lay the pieces out), "concat" rows come
+      back in the batch's order, a threaded state, "stack" or "last" output that differs per
+      device is an error, and `microbatch_size` counts each device's rows.
     mesh: the mesh whose `axis_name` to bind under plain `jax.jit`; default: the one in
       effect. Ignored inside a map that binds the axis.
 
   Returns:
-    A function with `fun`'s signature returning `fun`'s output structure, reduced as above.
+    A function with `fun`'s signature returning `fun`'s output structure, reduced as above
+    (with `return_info`, ``(output, MicrobatchInfo)``).
 
   Raises:
     TypeError, ValueError: here, for a bad `num_microbatches`/`microbatch_size` (or both, or
       neither), argnums, argnames, `batch_axes`, `num_real_microbatches`, `reduction`,
       `split` or `weight_fn`; at trace time, for a batch size not divisible by ``k`` (or
       `microbatch_size`), batch arguments that disagree on the batch size, positions out of
-      range, a missing keyword batch argument, a `reduction` that does not fit the output,
-      or a `state_out` that does not select output leaves.
+      range, a missing keyword batch argument, a `reduction` that does not fit the output, a
+      "concat" output without one row per example, a host weight from `weight_fn` that is
+      invalid, or a `state_out` that does not select output leaves.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> def loss(w, x):
@@ -348,67 +382,117 @@ def microbatch(
     fun=fun,
     k=k,
     microbatch_size=size,
-    num_real=_check_num_real(num_real_microbatches, k),
+    num_real=check_num_real(num_real_microbatches, k),
     positions=pos,
-    reduction=_check_reduction(reduction),
+    reduction=_outputs.check_reduction(reduction),
     weight_fn=weight_fn,
     state_out=state_out,
-    accum_dtype=_checks.accum_dtype(accum_dtype),
+    accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
+    skip_nonfinite=_check_bool(skip_nonfinite, "skip_nonfinite"),
+    return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
+    noise=_check_noise(noise_scale),
     axis_name=axis_name,
     mesh=mesh,
   )
 
   @functools.wraps(fun)
   def wrapped(*args, **kwargs):
-    if axis_name is None or _collectives.is_bound(axis_name):
-      return _run(opts, args, kwargs)
-    return _bind(opts, args, kwargs)
+    axis = _gspmd.resolve_axis(axis_name, mesh, "microbatch")
+    if axis.mode == "unbound":
+      return _bind(opts._replace(axis=axis), args, kwargs)
+    return _run(opts._replace(axis=axis), args, kwargs)
 
   return wrapped
 
 
+def _check_noise(value: Any) -> Any:
+  if value is None or callable(value):
+    return value
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(
+      "microbatch: noise_scale must be None, an int (the gradient's position in fun's output, "
+      f"e.g. 1 for jax.value_and_grad) or a selector `lambda out: ...`, got {value!r}."
+    )
+  return int(value)
+
+
+def _check_bool(value: Any, name: str) -> bool:
+  if not isinstance(value, bool | np.bool_):
+    raise TypeError(f"microbatch: {name} must be a bool, got {value!r}.")
+  return bool(value)
+
+
 def _bind(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-  """`axis_name` under plain `jax.jit`, bound here over the mesh (`_gspmd.bind`): each device
-  runs the micro-batches of its rows, and `_finish` reduces once, after the loop. "concat"
-  outputs come back joined across devices in the batch's order."""
+  """`axis_name` under plain `jax.jit`, bound here over the mesh (`_gspmd.run_bound`): each
+  device runs its piece of every micro-batch, and `_finish` reduces once, after the loop. The
+  result is that of the same call without the axis: with the contiguous split the batch is first
+  interleaved (`_batch.interleave`) so that each device's strided micro-batch ``i`` is its piece
+  of the batch's contiguous micro-batch ``i``, and the "concat" rows are put back in order."""
   pos = _batch.resolve(opts.positions, len(args), kwargs)
-  bound = _gspmd.bind(
-    functools.partial(_run_kw, opts._replace(bound_here=True)),
-    opts.axis_name,
-    batch_argnums=pos.batch,
-    batch_argnames=pos.names,
-    batch_axes=pos.axes,
-    mesh=opts.mesh,
-    varying="concat",
-    caller="microbatch",
-  )
-  return bound(*args, **kwargs)
+  inner = opts._replace(axis=opts.axis._replace(mode="bound_here"))
+  k = _global_k(opts, pos, args, kwargs)
+  plans: list[_outputs.Plan] = []
+  if k is not None and opts.split == "contiguous" and k > 1:
+    args, kwargs = _interleave(pos, args, kwargs, k)
+    inner = inner._replace(split="strided")
+  binding = _gspmd.Binding(opts.axis, _gspmd.no_state, "concat", "microbatch")
+  fun = functools.partial(_run_kw, inner, plans.append)
+  out = _gspmd.run_bound(fun, binding, pos, args, kwargs)
+  if inner.split == opts.split:
+    return out
+  # The "concat" rows came back in the interleaved order: undo it (rows j·k + i -> i·b + j).
+  main, info = (out, None) if not opts.return_info else out
+  leaves = plans[0].tree.flatten_up_to(main)
+  for n in plans[0].where("concat"):
+    leaves[n] = _batch.interleave(leaves[n], leaves[n].shape[0] // k)
+  main = jax.tree.unflatten(plans[0].tree, leaves)
+  return main if not opts.return_info else (main, info)
 
 
-def _run_kw(opts: _Options, *args: Any, **kwargs: Any) -> Any:
-  return _run(opts, args, kwargs)
+def _global_k(opts: _Options, pos, args, kwargs) -> int | None:
+  """The number of micro-batches of the whole batch's call (``B / (devices · microbatch_size)``
+  when sized per device), or None where the sizes do not divide (the bound call then raises)."""
+  size, devices = _batch.batch_size(pos, args, kwargs), opts.axis.size()
+  k = opts.k if opts.k is not None else size // (devices * opts.microbatch_size) or None
+  return k if k and size % (devices * k) == 0 else None
 
 
-def _run(opts: _Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _interleave(pos, args, kwargs, k: int) -> tuple[tuple, dict]:
+  """The batch arguments with `_batch.interleave` applied along their batch axes."""
+  a, kw = list(args), dict(kwargs)
+  for key, axis in pos.axis_of().items():
+    tree = kw[key] if isinstance(key, str) else a[key]
+    new = jax.tree.map(lambda x, axis=axis: _batch.interleave(jnp.asarray(x), k, axis), tree)
+    if isinstance(key, str):
+      kw[key] = new
+    else:
+      a[key] = new
+  return tuple(a), kw
+
+
+def _run_kw(opts: _Options, record: Callable, *args: Any, **kwargs: Any) -> Any:
+  return _run(opts, args, kwargs, record)
+
+
+def _run(opts: _Options, args: tuple, kwargs: dict[str, Any], record=None) -> Any:
   """The whole transformed call: every call of a `microbatch` function comes through here."""
   pos = _batch.resolve(opts.positions, len(args), kwargs)
   size, k = _batch.num_microbatches(pos, args, kwargs, opts.k, opts.microbatch_size)
   opts = opts._replace(k=k)
-  trips = _trips(opts.num_real, k)
+  trips = _trips(opts.num_real, k, sized=opts.microbatch_size is not None)
   _batch.check_keys(args, pos.rngs)
-  _collectives.check_bound(opts.axis_name, "microbatch")
-  if k == 1 and isinstance(trips, int) and trips == 1 and opts.axis_name is None:
-    out = opts.fun(*args, **kwargs)
-    _leaf_reductions(opts.reduction, jax.eval_shape(lambda: out))  # the checks of k > 1
-    return out
+  if opts.axis.mode == "mapped" and opts.split == "contiguous" and opts.num_real is not None:
+    raise ValueError(CONTIGUOUS_IN_MAP.format(axis=opts.axis.name))
   operands = _operands(args, kwargs, pos, opts)
   state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in pos.states)
-  plan = _plan(opts, pos, operands, state0, size // k)
+  plan = _plan(opts, pos, operands, state0, size)
+  if record is not None:
+    record(plan)
   carry = _init(opts, plan, state0, operands)
   body = functools.partial(_body, opts=opts, pos=pos, plan=plan)
   if isinstance(trips, int) and trips == 1:
-    carry = body(jnp.int32(0), carry)  # one micro-batch: one call, no loop
+    carry = body(jnp.int32(0), carry)  # one micro-batch (k = 1 among others): no loop
   else:
     # A Python trip count makes this one lax.scan; a traced one a while loop that stops after
     # the real micro-batches (its trip count is data-dependent).
@@ -425,19 +509,16 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
-  axes = dict(zip(pos.batch, pos.axes[: len(pos.batch)], strict=True))
-  names = dict(zip(pos.names, pos.axes[len(pos.batch) :], strict=True))
+  axes, axis = pos.axis_of(), opts.axis.collective_name()
   a = []
   for j, x in enumerate(args):
     if j in axes:
       x = _split(x, opts.k, opts.split, axes[j])
     elif j not in pos.rngs:
-      x = _collectives.to_varying(x, opts.axis_name)
+      x = _collectives.to_varying(x, axis)
     a.append(x)
   kw = {
-    n: _split(x, opts.k, opts.split, names[n])
-    if n in names
-    else _collectives.to_varying(x, opts.axis_name)
+    n: _split(x, opts.k, opts.split, axes[n]) if n in axes else _collectives.to_varying(x, axis)
     for n, x in kwargs.items()
   }
   return a, kw
@@ -451,15 +532,13 @@ def _take(tree: Any, i: Any, split: Split, axis: int) -> Any:
   return jax.tree.map(lambda v: _batch.take(v, i, split, axis), tree)
 
 
-def _fold_keys(keys: Any, i: jax.Array, k: int, axis_name: AxisName | None) -> Any:
-  """Micro-batch ``i``'s keys: ``fold_in(key, i)``, after the device index with `axis_name`."""
-  if axis_name is not None:
+def _fold_keys(keys: Any, i: jax.Array, axis: _gspmd.Axis) -> Any:
+  """Micro-batch ``i``'s keys: ``fold_in(key, i)``, after the device index with an axis."""
+  if axis.bound:
     # A replicated key would give every device the same masks on different examples.
-    index = lax.axis_index(axis_name)
+    index = axis.index()
     keys = jax.tree.map(lambda key: jax.random.fold_in(key, index), keys)
-  if k > 1:
-    keys = jax.tree.map(lambda key: jax.random.fold_in(key, i), keys)
-  return keys
+  return jax.tree.map(lambda key: jax.random.fold_in(key, i), keys)
 
 
 def _call(
@@ -468,56 +547,82 @@ def _call(
   """`fun` and `weight_fn` on micro-batch ``i``: ``(output, weight or None)``."""
   args, kwargs = operands
   a, kw = list(args), dict(kwargs)
-  for j, axis in zip(pos.batch, pos.axes[: len(pos.batch)], strict=True):
-    a[j] = _take(args[j], i, opts.split, axis)
-  for n, axis in zip(pos.names, pos.axes[len(pos.batch) :], strict=True):
-    kw[n] = _take(kwargs[n], i, opts.split, axis)
+  for key, axis in pos.axis_of().items():
+    if isinstance(key, str):
+      kw[key] = _take(kwargs[key], i, opts.split, axis)
+    else:
+      a[key] = _take(args[key], i, opts.split, axis)
   for j in pos.rngs:
-    a[j] = _fold_keys(args[j], i, opts.k, opts.axis_name)
+    a[j] = _fold_keys(args[j], i, opts.axis)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
   out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
     return out, None
-  return out, _checks.weight(opts.weight_fn(*a, **kw), "microbatch: weight_fn")
+  w = opts.weight_fn(*a, **kw)
+  return out, _checks.weight(w, f"microbatch: weight_fn returned {_describe(w)}")
+
+
+def _describe(value: Any) -> str:
+  """A weight as an error shows it: its value where known, else its dtype and shape."""
+  for show in (lambda v: repr(float(np.asarray(v))), lambda v: f"{v.dtype}{list(v.shape)}"):
+    try:
+      return show(value)
+    except Exception:  # traced, not a scalar, not an array
+      pass
+  return repr(value)
 
 
 # ----------------------------------------------------------------------------------------------
 # The output plan (trace time).
 
 
-def _leaf_reductions(reduction: Any, out: Any) -> list[str]:
-  """One reduction string per leaf of `out` (reduction is a prefix of out's structure)."""
-  if isinstance(reduction, str):
-    return [reduction] * len(jax.tree.leaves(out))
-  try:
-    full = jax.tree.broadcast(reduction, out)
-  except ValueError as e:
-    raise ValueError(
-      "microbatch: reduction is not a pytree prefix of fun's output.\n"
-      f"  reduction: {jax.tree.structure(reduction)}\n"
-      f"  output:    {jax.tree.structure(out)}\n"
-      "Give one string, or a tree with fun's output structure (same container types: a tuple "
-      "for a tuple, a dict with the same keys) cut off at any depth."
-    ) from e
-  return jax.tree.leaves(full)
-
-
-def _plan(opts: _Options, pos, operands, state0: tuple, b: int) -> _Outputs:
+def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.Plan:
   """Traces `fun` once, abstractly, on micro-batch 0 and decides what becomes of each leaf."""
-  out_t, total = jax.eval_shape(functools.partial(_probe, opts, pos), operands, state0)
+  try:
+    out_t, total = jax.eval_shape(functools.partial(_probe, opts, pos), operands, state0)
+  except (TypeError, ValueError) as e:
+    _raise_unnamed_batch(e, pos, operands, size, size // opts.k)
+    raise
   like, tree = jax.tree.flatten(out_t)
-  kinds = _leaf_reductions(opts.reduction, out_t)
-  state = _state_leaves(opts.state_out, pos, tree, like, state0)
+  kinds = _outputs.leaf_reductions(opts.reduction, out_t)
+  state = _outputs.state_leaves(opts.state_out, pos, tree, like, state0)
   for leaves in state:
     for n in leaves:
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
-  layouts = tuple(
-    opts.split if x.shape and x.shape[0] == b else "contiguous"
-    for x, r in zip(like, kinds, strict=True)
-    if r == "concat"
-  )
-  return _Outputs(tree, tuple(like), tuple(kinds), layouts, state, total)
+  _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
+  noise = _outputs.noise_leaves(opts.noise, tree, kinds)
+  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
+
+
+def _named(pos: _batch.Positions) -> str:
+  return f"batch_argnums={pos.batch}" + (f", batch_argnames={pos.names}" if pos.names else "")
+
+
+def _raise_unnamed_batch(error: Exception, pos, operands, size: int, b: int) -> None:
+  """If `fun` failed on a micro-batch while a non-batch argument has the batch's leading size,
+  raises the error that says so (the usual cause: a batch argument that was not named)."""
+  args, kwargs = operands
+  batch = pos.axis_of()
+  others = [*enumerate(args), *kwargs.items()]
+  suspects = [
+    key
+    for key, x in others
+    if key not in batch and any(jnp.ndim(y) and jnp.shape(y)[0] == size for y in jax.tree.leaves(x))
+  ]
+  if size == b or not suspects:
+    return
+  names = [f"keyword argument {s!r}" if isinstance(s, str) else f"argument {s}" for s in suspects]
+  raise ValueError(
+    UNNAMED_BATCH.format(
+      b=b,
+      size=size,
+      named=_named(pos),
+      error=f"{type(error).__name__}: {error}",
+      suspects=", ".join(names).capitalize() + (" is" if len(names) == 1 else " are"),
+      hint=tuple(sorted({*pos.batch, *(s for s in suspects if isinstance(s, int))})),
+    )
+  ) from error
 
 
 def _probe(opts: _Options, pos, operands, state0: tuple) -> tuple[Any, jax.Array]:
@@ -532,117 +637,56 @@ def _probe(opts: _Options, pos, operands, state0: tuple) -> tuple[Any, jax.Array
   return out, total if w is None else total + w.astype(jnp.float32)
 
 
-# `state_out` is applied to integer markers ``n * _STRIDE + _OFFSET`` in place of output leaf
-# ``n``: a selection keeps a marker as it is, while arithmetic on one (``out[1] * 2``, ``+ 1``)
-# lands between markers (the stride is prime, the offset not a multiple of it) and is caught
-# instead of silently picking another leaf. Markers stay below 2**31 (they may become int32).
-_STRIDE, _OFFSET = 8191, 1009
-
-
-def _markers(num_leaves: int) -> tuple[int, int]:
-  """(stride, offset) of the markers for `num_leaves` leaves (plain positions for huge trees)."""
-  return (_STRIDE, _OFFSET) if num_leaves * _STRIDE < 2**31 - _STRIDE else (1, 0)
-
-
-def _position(x: Any, num_leaves: int) -> int | None:
-  """The output leaf whose marker `x` is, or None if `x` is not a marker."""
-  if isinstance(x, bool | np.bool_) or not isinstance(x, int | np.integer | jax.Array):
-    return None
-  try:
-    m = operator.index(x)
-  except TypeError:
-    return None
-  stride, offset = _markers(num_leaves)
-  n, rest = divmod(m - offset, stride)
-  return n if rest == 0 and 0 <= n < num_leaves else None
-
-
-def _state_leaves(state_out, pos, tree, like, state0: tuple) -> tuple[tuple[int, ...], ...]:
-  """Which output leaves are each state argument's new value, found by position, not identity.
-
-  `state_out` is applied to `fun`'s output structure with integer markers of the leaf positions
-  in place of the leaves, so a selection (``out[0][1]``, even wrapped in `stop_gradient`) says
-  exactly which leaves it picked.
-  """
-  if not pos.states:
-    return ()
-  num = tree.num_leaves
-  stride, offset = _markers(num)
-  try:
-    with jax.ensure_compile_time_eval():  # so that e.g. stop_gradient(marker) stays concrete
-      picked = state_out(jax.tree.unflatten(tree, [n * stride + offset for n in range(num)]))
-  except Exception as e:
-    what = f"raised {type(e).__name__}: {e}"
-    raise ValueError(STATE_OUT_NOT_SELECTION.format(what=what)) from e
-  picked = (picked,) if pos.single_state else tuple(picked)
-  if len(picked) != len(state0):
-    raise ValueError(
-      f"microbatch: state_out returned {len(picked)} states for state_argnums={pos.states}."
-    )
-  found = []
-  for j, p, s in zip(pos.states, picked, state0, strict=True):
-    _check_state_tree(j, p, s)
-    for path, x in jax.tree.leaves_with_path(p):
-      if _position(x, num) is None:
-        what = f"returned {x!r} at state {j}{jax.tree_util.keystr(path)}, not a marker"
-        raise ValueError(STATE_OUT_NOT_SELECTION.format(what=what))
-    found.append(tuple(_position(x, num) for x in jax.tree.leaves(p)))
-  _check_state_shapes(pos.states, [[like[n] for n in f] for f in found], state0)
-  return tuple(found)
-
-
-def _check_state_tree(j: int, picked: Any, state: Any) -> None:
-  if jax.tree.structure(picked) != jax.tree.structure(state):
-    raise ValueError(
-      f"microbatch: state_out's new state for argument {j} has another tree than the "
-      f"argument:\n  new:      {jax.tree.structure(picked)}\n"
-      f"  argument: {jax.tree.structure(state)}"
-    )
-
-
-def _check_state_shapes(states: tuple[int, ...], new: list[list[Any]], state0: tuple) -> None:
-  bad = [
-    f"  argument {j}{jax.tree_util.keystr(p)}: new {jnp.shape(x)}, argument {jnp.shape(y)}"
-    for j, n, s in zip(states, new, state0, strict=True)
-    for x, (p, y) in zip(n, jax.tree.leaves_with_path(s), strict=True)
-    if jnp.shape(x) != jnp.shape(y)
-  ]
-  if bad:
-    raise ValueError("microbatch: state_out's new state changes shapes:\n" + "\n".join(bad))
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop: its carry, its body, and what comes out of it.
 
 
-def _init(opts: _Options, plan: _Outputs, state0: tuple, operands: tuple) -> _Carry:
+def _layout(kind: str, split: Split) -> Split:
+  """How a rows buffer is laid out: "concat" rows as the batch is split (so that joining them
+  is a free reshape back to the batch's order), "stack" entries one per micro-batch."""
+  return split if kind == "concat" else "contiguous"
+
+
+def _init(opts: _Options, plan: _outputs.Plan, state0: tuple, operands: tuple) -> _Carry:
   """The initial carry, with the device variance of what the loop writes into it.
 
   A loop carry must keep its type: zeros built from constants are invariant, while what the
   body writes varies wherever the micro-batch values (or the weights) do.
   """
-  like = plan.like
+  like, weighted = plan.like, opts.weight_fn is not None
   means_t, sums_t, last_t = (plan.pick(like, r) for r in ("mean", "sum", "last"))
 
   def vary(x, t, k_axis=None):
     return _match_sharding(_collectives.match_variance(x, t), t, k_axis)
 
+  def weighted_sums(zeros, t):  # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does
+    return vary(vary(zeros, t), [plan.total] * len(t))
+
+  # The weight and the counts vary wherever the weights or the finite checks do: per device.
+  axis = opts.axis.collective_name()
+  scalar = _collectives.to_varying(jnp.zeros((), jnp.float32), axis)
+  rows = []
+  for n in plan.where("concat", "stack"):
+    layout = _layout(plan.kinds[n], opts.split)
+    rows.append(vary(_batch.zeros_split(like[n], opts.k, layout), like[n], _k_axis(layout)))
   return _Carry(
-    # Σ wᵢ fᵢ varies wherever fᵢ or wᵢ does.
-    means=vary(
-      vary(_core.zeros(means_t, opts.accum_dtype, mean=True), means_t), [plan.total] * len(means_t)
-    ),
-    sums=vary(_core.zeros(sums_t, opts.accum_dtype), sums_t),
-    total=vary(jnp.zeros((), jnp.float32), plan.total),
-    invalid=vary(jnp.zeros((), jnp.float32), plan.total),
+    means=weighted_sums(_core.zeros(means_t, opts.accum_dtype, mean=True), means_t),
+    # A weighted sum of integer counts is not an integer: accumulated as a float then.
+    sums=weighted_sums(_core.zeros(sums_t, opts.accum_dtype, mean=weighted), sums_t),
+    total=scalar,
+    invalid=scalar,
+    skipped=scalar,
+    noise=_collectives.to_varying(_noise.init(), axis),
     last=vary([jnp.zeros(t.shape, t.dtype) for t in last_t], last_t),
-    rows=[
-      vary(_batch.zeros_split(t, opts.k, layout), t, int(layout == "strided"))
-      for t, layout in zip(plan.pick(like, "concat"), plan.layouts, strict=True)
-    ],
+    rows=rows,
     state=vary(state0, _state_like(plan, state0)),
     operands=operands,
   )
+
+
+def _k_axis(layout: Split) -> int:
+  """The axis of a rows buffer that numbers the micro-batches (see `_batch.zeros_split`)."""
+  return int(layout == "strided")
 
 
 def _match_sharding(tree: Any, like: Any, k_axis: int | None = None) -> Any:
@@ -666,7 +710,7 @@ def _match_sharding(tree: Any, like: Any, k_axis: int | None = None) -> Any:
   return jax.tree.map(one, tree, like)
 
 
-def _state_like(plan: _Outputs, state: tuple) -> tuple:
+def _state_like(plan: _outputs.Plan, state: tuple) -> tuple:
   """The output leaves that are the new state, in the state arguments' structure."""
   return tuple(
     jax.tree.unflatten(jax.tree.structure(s), [plan.like[n] for n in leaves])
@@ -674,28 +718,40 @@ def _state_like(plan: _Outputs, state: tuple) -> tuple:
   )
 
 
-def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _Outputs) -> _Carry:
+def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Plan) -> _Carry:
   """Micro-batch ``i``: call `fun`, add its outputs to the sums, keep its state."""
   out, w = _call(opts, pos, carry.operands, carry.state, i)
   leaves = [jnp.asarray(x) for x in plan.tree.flatten_up_to(out)]  # Python constants too
-  # With a weight, `add` drops a micro-batch whose weight is invalid; here it is remembered.
-  means, total, invalid = _core.add(
-    carry.means, carry.total, plan.pick(leaves, "mean"), w, skip_nonfinite=False
+  means, sums = plan.pick(leaves, "mean"), plan.pick(leaves, "sum")
+  if sums:  # a "sum" `fun` already reduced over the axis: warn, or raise if weights vary
+    _collectives.warn_if_reduced(sums, w, opts.axis.collective_name(), "microbatch")
+  # One add for both: one weight, one finite check, one decision to drop the micro-batch.
+  acc, total, dropped = _core.add(
+    carry.means + carry.sums, carry.total, means + sums, w, skip_nonfinite=opts.skip_nonfinite
   )
-  # "sum" leaves are unweighted: the same core `add` with weight None (its total unused).
-  sums, _, _ = _core.add(carry.sums, total, plan.pick(leaves, "sum"), None, skip_nonfinite=False)
+  invalid = jnp.asarray(False) if w is None else ~_checks.valid_weight(w)
   rows = [
-    _batch.put(r, y, i, layout)
-    for r, y, layout in zip(carry.rows, plan.pick(leaves, "concat"), plan.layouts, strict=True)
+    _batch.put(r, leaves[n], i, _layout(plan.kinds[n], opts.split))
+    for r, n in zip(carry.rows, plan.where("concat", "stack"), strict=True)
   ]
-  state = _new_state(plan, leaves, carry.state)
-  invalid = carry.invalid + invalid.astype(jnp.float32)
-  last = plan.pick(leaves, "last")
-  new = _Carry(means, sums, total, invalid, last, rows, state, carry.operands)
+  new = _Carry(
+    means=acc[: len(means)],
+    sums=acc[len(means) :],
+    total=total,
+    invalid=carry.invalid + invalid.astype(jnp.float32),
+    skipped=carry.skipped + (dropped & ~invalid).astype(jnp.float32),
+    noise=_noise.add(carry.noise, [leaves[n] for n in plan.noise], w, ~dropped)
+    if plan.noise
+    else carry.noise,
+    last=plan.pick(leaves, "last"),
+    rows=rows,
+    state=_new_state(plan, leaves, carry.state),
+    operands=carry.operands,
+  )
   return _collectives.match_variance(new, carry)
 
 
-def _new_state(plan: _Outputs, leaves: list[Any], state: tuple) -> tuple:
+def _new_state(plan: _outputs.Plan, leaves: list[Any], state: tuple) -> tuple:
   """The selected output `leaves` as the new state, in the state's structure and dtypes."""
   new = []
   for s, positions in zip(state, plan.state, strict=True):
@@ -714,42 +770,84 @@ BOUND_VARIES = (
 )
 
 
-def _check_bound_outputs(opts: _Options, plan: _Outputs, carry: _Carry) -> None:
-  """With the axis bound here, the threaded state and "last" outputs must be the same on every
-  device (outputs of a plain-jit function are global); "concat" rows are joined instead."""
-  if not opts.bound_here:
+def _check_bound_outputs(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> None:
+  """With the axis bound here, the threaded state, "stack" and "last" outputs must be the same
+  on every device (outputs of a plain-jit function are global); "concat" rows are joined."""
+  if opts.axis.mode != "bound_here":
     return
+  name = opts.axis.name
   for i, s in enumerate(carry.state):
-    if any(_collectives.is_varying(x, opts.axis_name) for x in jax.tree.leaves(s)):
-      what = f"the threaded state (state_argnums entry {i})"
-      raise ValueError(BOUND_VARIES.format(axis=opts.axis_name, what=what))
-  lasts = [n for n, r in enumerate(plan.kinds) if r == "last"]
-  for n, x in zip(lasts, carry.last, strict=True):
-    if _collectives.is_varying(x, opts.axis_name):
-      what = f"output leaf {n} (reduction 'last')"
-      raise ValueError(BOUND_VARIES.format(axis=opts.axis_name, what=what))
+    if any(_collectives.is_varying(x, name) for x in jax.tree.leaves(s)):
+      raise ValueError(BOUND_VARIES.format(axis=name, what=f"the threaded state (entry {i})"))
+  per_mb = zip(plan.where("concat", "stack"), carry.rows, strict=True)
+  outputs = [(n, x) for n, x in per_mb if plan.kinds[n] == "stack"]
+  outputs += list(zip(plan.where("last"), carry.last, strict=True))
+  for n, x in outputs:
+    if _collectives.is_varying(x, name):
+      what = f"output leaf {n} (reduction {plan.kinds[n]!r})"
+      raise ValueError(BOUND_VARIES.format(axis=name, what=what))
 
 
-def _finish(opts: _Options, plan: _Outputs, carry: _Carry) -> Any:
-  """Once, after the loop: the sums and the weight in one all-reduce, then normalised."""
-  _check_bound_outputs(opts, plan, carry)
-  reduced = _collectives.reduce(
-    (carry.means, carry.sums, carry.total, carry.invalid), opts.axis_name
+def _is_float(x: Any) -> bool:
+  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _already_reduced(like: Any, axis: _gspmd.Axis) -> bool:
+  """A value `fun` returned the same on every device (its type carries no varying axis): it was
+  reduced over the axis inside `fun` already (`_collectives.ALREADY_REDUCED`)."""
+  name = axis.collective_name()
+  return (
+    axis.bound and _collectives.tracks_variance(name) and not _collectives.is_varying(like, name)
   )
-  means, sums, total, invalid = reduced
-  means = _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")
+
+
+def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
+  """Once, after the loop: the sums, weight and counts in one all-reduce, then normalised.
+
+  A "sum" that `fun` already reduced (the same on every device) is global as it is: it stays
+  out of the all-reduce, which would count it once per device.
+  """
+  _check_bound_outputs(opts, plan, carry)
+  sum_like = plan.pick(plan.like, "sum")
+  done = [_already_reduced(t, opts.axis) for t in sum_like]
+  local = [s for s, d in zip(carry.sums, done, strict=True) if not d]
+  reduced = _collectives.reduce(
+    (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise)),
+    opts.axis.collective_name(),
+  )
+  means, local, total, invalid, skipped, (sq_sum, count) = reduced
+  local = iter(local)
+  sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
+  nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
+  # An integer "sum" weighted by weight_fn stays a float (the accumulator's dtype).
+  sum_like = [
+    s if opts.weight_fn and not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)
+  ]
   values = {
-    "mean": [jnp.where(invalid > 0, jnp.full_like(m, jnp.nan), m) for m in means],
-    "sum": _core.normalise(sums, total, plan.pick(plan.like, "sum"), "sum"),
+    "mean": [nan(m) for m in _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")],
+    "sum": [nan(s) if _is_float(s) else s for s in _core.normalise(sums, total, sum_like, "sum")],
     "last": carry.last,
-    "concat": [_batch.unsplit(y) for y in carry.rows],
   }
   results: list[Any] = [None] * len(plan.like)
   for kind, vals in values.items():
-    indices = [n for n, r in enumerate(plan.kinds) if r == kind]
-    for n, v in zip(indices, vals, strict=True):
+    for n, v in zip(plan.where(kind), vals, strict=True):
       results[n] = v
+  for n, y in zip(plan.where("concat", "stack"), carry.rows, strict=True):
+    results[n] = _batch.unsplit(y) if plan.kinds[n] == "concat" else y
   for s, leaves in zip(carry.state, plan.state, strict=True):
     for n, x in zip(leaves, jax.tree.leaves(s), strict=True):
       results[n] = x.astype(plan.like[n].dtype)
-  return jax.tree.unflatten(plan.tree, results)
+  out = jax.tree.unflatten(plan.tree, results)
+  if not opts.return_info:
+    return out
+  noise = _window_noise(plan, means, total, sq_sum, count) if plan.noise else None
+  return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
+
+
+def _window_noise(plan: _outputs.Plan, means: list, total, sq_sum, count) -> _noise.NoiseScale:
+  """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``."""
+  index = {n: i for i, n in enumerate(plan.where("mean"))}
+  mean_sq = _noise.sq_norm([means[index[n]] for n in plan.noise]) / jnp.square(total)
+  trace, grad_sq = _noise.window_stats(sq_sum, count, total, mean_sq)
+  return _noise.NoiseScale(grad_sq, trace, trace / grad_sq, grad_sq, trace)  # nothing to smooth

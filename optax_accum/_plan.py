@@ -80,8 +80,7 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
     options.get("batch_argnums"),
     options.get("batch_argnames", ()),
     options.get("batch_axes", 0),
-    (),
-    (),
+    caller="plan_microbatches",
   )
   size = _batch.batch_size(_batch.resolve(pos, len(args), kwargs), args, kwargs)
   if size == 0:
@@ -89,8 +88,8 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
       "plan_microbatches: the batch arguments are empty (batch size 0): there is no "
       "micro-batch to plan. Pass the shapes of a real batch (arrays or jax.ShapeDtypeStruct)."
     )
-  n = options.get("num_real_microbatches")
-  least = n if isinstance(n, int | np.integer) and not isinstance(n, bool) else 1
+  n = _microbatch.check_num_real(options.get("num_real_microbatches"), None)
+  least = n if isinstance(n, int) else 1
   if least > size:
     raise ValueError(
       f"plan_microbatches: num_real_microbatches={n} is more than the batch size {size}: no "

@@ -18,8 +18,10 @@ ArgNums = int | Sequence[int]
 Reduction = Literal["mean", "sum"]
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 
-# How `microbatch` combines one output leaf over the micro-batches.
-OutReduction = Literal["mean", "sum", "concat", "last"]
+# How `microbatch` combines one output leaf over the micro-batches: the weighted mean, the
+# weighted sum, per-example rows joined in batch order, one entry per micro-batch stacked on a
+# new leading axis, or the last micro-batch's value.
+OutReduction = Literal["mean", "sum", "concat", "stack", "last"]
 OUT_REDUCTIONS: tuple[str, ...] = get_args(OutReduction)
 
 # Which rows go into micro-batch i.

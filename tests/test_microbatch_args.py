@@ -4,6 +4,7 @@ Each result is compared with a direct computation on the whole batch (or with th
 axis-0 form computed the same way, where the claim is that two spellings agree exactly).
 """
 
+import _reference as ref
 import chex
 import jax
 import jax.numpy as jnp
@@ -13,24 +14,23 @@ import pytest
 
 from optax_accum import microbatch
 
-# float32 sums of 16-32 terms in another order: a few ulps.
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = ref.TOL
 
 
-def _data(batch=24, dim=5, classes=3, seed=0):
-  rng = np.random.default_rng(seed)
-  w = (rng.normal(size=(dim, classes)) / np.sqrt(dim)).astype(np.float32)
-  x = rng.normal(size=(batch, dim)).astype(np.float32)
-  y = rng.integers(0, classes, size=batch).astype(np.int32)
-  return jnp.asarray(w), jnp.asarray(x), jnp.asarray(y)
+def _data(batch=24, seed=0):
+  """The kit's parameters and regression data, as ``(params, x, y)``."""
+  data = ref.regression_data(seed, batch)
+  return ref.mlp_params(0), data["x"], data["y"]
 
 
-def _loss(w, x, y):
-  return optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ w) * 3, y).mean()
+def _loss(params, x, y, mask=None):
+  """The kit's loss, with the batch's parts as separate arguments."""
+  batch = {"x": x, "y": y} if mask is None else {"x": x, "y": y, "mask": mask}
+  return ref.mlp_loss(params, batch)
 
 
-def _loss_kw(w, *, x, y):
-  return _loss(w, x, y)
+def _loss_kw(params, *, x, y):
+  return _loss(params, x, y)
 
 
 _VG = jax.jit(jax.value_and_grad(_loss))  # the reference on the whole batch, compiled once
@@ -62,8 +62,7 @@ def test_microbatch_keyword_batch_with_weights_and_non_batch_keywords():
   mask = (np.arange(24) % 5 != 0).astype(np.float32)
 
   def loss(w, *, x, y, mask, scale):
-    per = optax.softmax_cross_entropy_with_integer_labels(jnp.tanh(x @ w) * scale, y)
-    return jnp.sum(per * mask) / jnp.sum(mask)
+    return _loss(w, x * scale, y, mask)
 
   want = jax.value_and_grad(loss)(w, x=x, y=y, mask=mask, scale=3.0)
   step = microbatch(
@@ -96,7 +95,9 @@ def test_microbatch_batch_axis_1_equals_axis_0_on_transposed_data(split):
   chex.assert_trees_all_close(got1, want, **TOL)
   chex.assert_trees_all_close(got1, got0, **TOL)
   # Negative axes count from the end, per leaf.
-  neg = microbatch(jax.value_and_grad(loss_t), 4, batch_argnums=(1, 2), batch_axes=-1, split=split)
+  neg = microbatch(
+    jax.value_and_grad(loss_t), 4, batch_argnums=(1, 2), batch_axes=(-1, -2), split=split
+  )
   chex.assert_trees_all_equal(jax.jit(neg)(w, x.T, y), got1)
 
 

@@ -72,25 +72,41 @@ def test_plan_budget_too_small_raises_with_smallest_peak():
   assert peak == _peak(k, W, x) > 1000
 
 
+def _masked_loss(w, x, mask):
+  h = x
+  for _ in range(6):
+    h = jnp.tanh(h @ w)
+  return jnp.sum(jnp.mean(h**2, axis=-1) * mask) / jnp.sum(mask)
+
+
 def test_plan_passes_microbatch_options_and_accepts_arrays():
+  # Real arrays, and options that every compiled candidate must see: `batch_argnums=(1, 2)`
+  # (without it the mask would not be split and the program would not trace) and a weight_fn
+  # that records the micro-batch size it was traced with. The budget lies between the peaks of
+  # k=1 and k=2, so the search must compile candidates beyond k=1.
   rng = np.random.default_rng(0)
-  w = jnp.asarray(rng.normal(size=(8, 8)), jnp.float32)
-  x = jnp.asarray(rng.normal(size=(64, 8)), jnp.float32)
-  mask = jnp.ones(64)
+  w = jnp.asarray(rng.normal(size=(128, 128)) / 12, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(2048, 128)), jnp.float32)
+  mask = jnp.asarray(rng.random(2048) < 0.8, jnp.float32)
+  seen = []
 
-  def loss(w, x, mask):
-    return jnp.sum(jnp.tanh(x @ w).sum(-1) * mask) / jnp.sum(mask)
+  def weight_fn(w, x, m):
+    seen.append(x.shape[0])
+    return jnp.sum(m)
 
-  plan = plan_microbatches(
-    jax.value_and_grad(loss),
-    w,
-    x,
-    mask,
-    memory_limit=2**30,
-    batch_argnums=(1, 2),
-    weight_fn=lambda w, x, m: jnp.sum(m),
-  )
-  assert plan.num_microbatches == 1
+  options = dict(batch_argnums=(1, 2), weight_fn=weight_fn)
+  vg = jax.value_and_grad(_masked_loss)
+  p1, p2 = (_peak_with(vg, k, (w, x, mask), options) for k in (1, 2))
+  assert p2 < p1
+  seen.clear()
+  plan = plan_microbatches(vg, w, x, mask, memory_limit=(p1 + p2) // 2, **options)
+  assert plan.num_microbatches == 2
+  assert plan.peak_bytes[1] == p1 and plan.peak_bytes[2] == p2
+  assert set(seen) == {2048 // k for k in plan.peak_bytes}  # weight_fn reached every candidate
+
+
+def _peak_with(fun, k, args, options):
+  return compiled_peak_bytes(jax.jit(microbatch(fun, k, **options)).lower(*args).compile())
 
 
 def test_plan_without_limit_on_cpu_says_pass_one():

@@ -1,0 +1,130 @@
+"""`data_parallel`: bind a data axis of the mesh under plain `jax.jit`, optimizer states included.
+
+The binding itself is `_gspmd`'s (which knows no optimizer); this front end tells it which
+arguments and outputs are per-device state: an `AccumulateState` made with an `axis_name`,
+whose sums are split over the axis outside the map (stacked ``(num_devices, ...)``) as
+`state_partition_specs` describes them, so that an optimizer state can leave one call and
+enter the next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from optax_accum import _gspmd
+from optax_accum._accumulate import AccumulateState
+from optax_accum._typing import AxisName
+
+
+# TODO(lead): replace with _sharding.is_per_device / _sharding.per_device_specs after merging
+# acc (the two functions below are a temporary copy of the logic that moves there).
+def _is_per_device(x: Any) -> bool:
+  """An `AccumulateState` whose sums are per device (stacked over the axis outside the map)."""
+  return isinstance(x, AccumulateState) and np.ndim(x.acc_weight) > np.ndim(x.mini_step)
+
+
+def _per_device_specs(state: AccumulateState, entry: Any) -> AccumulateState:
+  """Specs of a per-device `AccumulateState`'s leaves: its sums split over the axis."""
+  rep = P()
+  return AccumulateState(
+    mini_step=rep,
+    gradient_step=rep,
+    acc_grads=jax.tree.map(lambda _: P(entry), state.acc_grads),
+    acc_weight=P(entry),
+    num_skipped=P(entry),
+    inner_state=jax.tree.map(lambda _: rep, state.inner_state),
+    updated=rep,
+  )
+
+
+def state_specs(x: Any, entry: Any) -> Any:
+  """The binder's hook (`_gspmd.StateSpecs`): the specs of a per-device optimizer state, else
+  None."""
+  return _per_device_specs(x, entry) if _is_per_device(x) else None
+
+
+def bind(fun: Callable[..., Any], axis_name: AxisName, **kwargs: Any) -> Callable[..., Any]:
+  """`_gspmd.bind` with this hook: how `TrainStep` binds the axis (its state is per device)."""
+  return _gspmd.bind(fun, axis_name, state_specs=state_specs, **kwargs)
+
+
+def data_parallel(
+  fun: Callable[..., Any],
+  axis_name: AxisName,
+  *,
+  batch_argnums: int | Sequence[int] = (),
+  batch_argnames: str | Sequence[str] = (),
+  batch_axes: int | Sequence[int] = 0,
+  mesh: Any = None,
+  varying: _gspmd.Varying = "error",
+  sync: _gspmd.Sync = "update",
+) -> Callable[..., Any]:
+  """Runs `fun` once per device over the mesh axis `axis_name`, under plain `jax.jit`.
+
+  Binds `axis_name` the way `jax.shard_map` does, over that axis only (the other mesh axes stay
+  automatic), so that inside `fun` gradients can stay per-device and
+  ``microbatch(..., axis_name=...)`` / ``accumulate(..., axis_name=...)`` reduce them once per
+  update instead of XLA reducing every micro-batch. Each device sees its share of the batch
+  arguments and the whole of every other argument. Inside a map that already binds
+  `axis_name`, `fun` is called unchanged.
+
+  Outputs that are the same on every device (what `microbatch` and `accumulate` reduce) come
+  out replicated over the axis; the per-device sums of an `AccumulateState` come out stacked
+  ``(num_devices, ...)`` and go back in split, as `state_partition_specs` describes them.
+
+  Args:
+    fun: the function to run per device; it reduces over `axis_name` what must be global.
+    axis_name: the data-parallel mesh axis (or a tuple of axes) the batch is sharded over.
+    batch_argnums: the positional arguments split over the devices (every array leaf along its
+      batch axis): an int or a sequence of distinct ints (as `microbatch` takes them; read by
+      the same parser). All other array arguments are passed whole to every device. Arguments
+      sharded over `axis_name` that are not batch arguments (FSDP parameters) are gathered
+      once, on entry.
+    batch_argnames: keyword arguments split over the devices, like `batch_argnums`.
+    batch_axes: the batch axis: one int for every batch argument, or one per argument in the
+      order ``batch_argnums + batch_argnames`` (as `microbatch` takes them).
+    mesh: the mesh; default the one in effect (``jax.set_mesh``).
+    varying: what to do with an output that differs per device and is not an
+      `AccumulateState`'s sums: "error" (default), or "concat" to join the devices' values
+      along its leading axis (per-example outputs).
+    sync: "update" (default): bind the axis over the devices, one reduction per update, and
+      arguments sharded over the axis are gathered (a full-size accumulator per device).
+      "microbatch": bind it as a trivial axis of size 1 (its collectives are the identity) and
+      leave the whole mesh to GSPMD, which reduces each micro-batch's gradient (for parameters
+      sharded over the axis: a reduce-scatter into an accumulator sharded like them).
+
+  Returns:
+    A function with `fun`'s signature, to be called (typically under `jax.jit`) with global
+    arrays.
+
+  Raises:
+    TypeError, ValueError: here, for a bad `axis_name`, `batch_argnums` (a bool, repeated
+      positions), `batch_argnames`, `batch_axes`, `varying` or `sync`; at call time, with no
+      mesh in effect, a mesh without `axis_name`, a batch that does not divide over the
+      devices, or an output that differs per device (see `varying`).
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> mesh = jax.make_mesh((jax.device_count(),), ("data",))
+  >>> def mean_of_squares(w, x):  # per device, then global: ONE all-reduce
+  ...   return jax.lax.pmean(jnp.mean((x @ w) ** 2), "data")
+  >>> f = jax.jit(optax_accum.data_parallel(mean_of_squares, "data", batch_argnums=1, mesh=mesh))
+  >>> x = jnp.arange(8.0 * jax.device_count()).reshape(-1, 2)
+  >>> bool(jnp.allclose(f(jnp.ones(2), x), jnp.mean((x @ jnp.ones(2)) ** 2)))
+  True
+  """
+  return bind(
+    fun,
+    axis_name,
+    batch_argnums=batch_argnums,
+    batch_argnames=batch_argnames,
+    batch_axes=batch_axes,
+    mesh=mesh,
+    varying=varying,
+    sync=sync,
+    caller="data_parallel",
+  )
