@@ -4,19 +4,23 @@ from optax_accum._accumulate import AccumulateState, accumulate, has_updated
 from optax_accum._gspmd import data_parallel
 from optax_accum._hlo import count_collectives
 from optax_accum._microbatch import microbatch
+from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
 from optax_accum._plan import MicrobatchPlan, plan_microbatches
 from optax_accum._sharding import state_partition_specs
 from optax_accum._train_step import TrainStep
 
 __all__ = [
   "AccumulateState",
+  "FollowNoiseScale",
   "MicrobatchPlan",
+  "NoiseScale",
   "TrainStep",
   "accumulate",
   "count_collectives",
   "data_parallel",
   "has_updated",
   "microbatch",
+  "noise_scale",
   "plan_microbatches",
   "state_partition_specs",
 ]

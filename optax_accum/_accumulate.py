@@ -3,14 +3,17 @@
 `update_fn` strings small module-level pieces together, each taking its operands explicitly, so
 that `TrainStep` builds its two compiled programs from the very same pieces::
 
-    check_update → add → close_window (every k-th step) or keep_open → advance
+    check_update → add (+ add_noise) → close_window (every k-th step) or keep_open → advance
 
 * `add` — the micro-batch into the window's sums (`_core`; no accumulator when every_k == 1);
-* `close_window` — the window's sums across devices (`_collectives.reduce_window`, one
-  all-reduce), then the inner update unless the window is empty, *finished* (`Finish`) into
-  updates (the optax protocol) or into new parameters (`TrainStep`);
+  `add_noise` — with ``noise_scale=True`` only, its ``w|g|²`` into the noise statistics;
+* `close_window` — the window's sums, total weight (and noise partials) across devices in one
+  all-reduce (`cfg.axis`, resolved once: `_collectives.Axis` or `NO_AXIS`), then the inner
+  update unless the window is empty, *finished* (`Finish`) into updates (the optax protocol)
+  or into new parameters (`TrainStep`);
 * `keep_open` — a non-emitting step: no inner update at all;
-* `advance` — the next `AccumulateState`.
+* `advance` — the next `AccumulateState`, which records the open window's length
+  (`window_length`: a window finishes at the length it opened with).
 
 What makes the default path as fast as a plain optimizer step (measured on CPU, where large
 temporaries cost page faults on every call): the finite check reads each gradient once
@@ -28,13 +31,14 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives, _core
+from optax_accum import _checks, _collectives, _core, _noise
 from optax_accum._typing import AxisName, DType, Reduction
 
-EveryK = int | Callable[[jax.Array], Any]
+EveryK = int | Callable[[jax.Array], Any] | _noise.FollowNoiseScale
 
 
 class AccumulateState(NamedTuple):
@@ -42,6 +46,9 @@ class AccumulateState(NamedTuple):
 
   mini_step: jax.Array  # shape=(), dtype=jnp.int32: micro-steps taken in the open window
   gradient_step: jax.Array  # shape=(), dtype=jnp.int32: inner updates applied so far
+  # shape=(), dtype=jnp.int32: the open window's length, fixed when it opened (its every_k, or
+  # the schedule's value then); when mini_step == 0, the length the last window had.
+  window_k: jax.Array
   # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale when
   # mini_step == 0 (the closed window's sums or the updates it returned; the next micro-step
   # ignores it and writes over it).
@@ -50,16 +57,45 @@ class AccumulateState(NamedTuple):
   num_skipped: jax.Array  # shape=(), dtype=jnp.int32: non-finite micro-batches dropped so far
   inner_state: Any  # the inner optimizer's state, untouched between updates
   updated: jax.Array  # shape=(), dtype=jnp.bool_: the call that made this state updated
+  noise: Any = None  # the noise-scale statistics (`_noise.NoiseState`), None without them
 
 
-def has_updated(state: AccumulateState) -> jax.Array:
+def find_state(state: Any, caller: str) -> AccumulateState:
+  """The one `AccumulateState` inside `state` (an `optax.chain` tuple, an `nnx.Optimizer`'s
+  state, a Flax `TrainState`, ...), with wrapped leaves (nnx Variables) unwrapped to arrays."""
+  is_state = lambda x: isinstance(x, AccumulateState)
+  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
+  if len(found) != 1:
+    raise ValueError(
+      f"{caller}: expected a state holding exactly one AccumulateState, found {len(found)} in "
+      f"a {type(state).__name__}."
+    )
+  # nnx.Optimizer wraps every array of its state in a Variable, a pytree node holding it.
+  own = {f: getattr(found[0], f) for f in found[0]._fields if f != "inner_state"}
+  return found[0]._replace(**jax.tree.map(_unwrap, own, is_leaf=_is_wrapper))
+
+
+def _is_wrapper(x: Any) -> bool:
+  return x is not None and not isinstance(x, jax.Array | np.ndarray | tuple | list | dict)
+
+
+def _unwrap(x: Any) -> Any:
+  leaves = jax.tree.leaves(x)
+  return leaves[0] if len(leaves) == 1 else x
+
+
+def has_updated(state: Any) -> jax.Array:
   """True iff the `update` call that produced `state` applied an inner update.
 
   Args:
-    state: an `AccumulateState` (or a state that contains one, e.g. an `optax.chain` state).
+    state: an `AccumulateState`, or a state that contains one (an `optax.chain` state, an
+      `nnx.Optimizer`'s ``opt_state``, a Flax `TrainState`'s ``opt_state``).
 
   Returns:
-    A boolean scalar array.
+    A boolean scalar `jax.Array` (never a wrapper such as an nnx Variable: ``bool()`` works).
+
+  Raises:
+    ValueError: if `state` holds no `AccumulateState` or several.
 
   >>> import jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2)
@@ -72,16 +108,7 @@ def has_updated(state: AccumulateState) -> jax.Array:
   >>> bool(optax_accum.has_updated(state))
   True
   """
-  if not isinstance(state, AccumulateState):
-    is_state = lambda x: isinstance(x, AccumulateState)
-    found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
-    if len(found) != 1:
-      raise ValueError(
-        "has_updated: expected a state holding exactly one AccumulateState, "
-        f"found {len(found)} in a {type(state).__name__}."
-      )
-    state = found[0]
-  return state.updated
+  return find_state(state, "has_updated").updated
 
 
 # ----------------------------------------------------------------------------------------------
@@ -96,7 +123,12 @@ class Config(NamedTuple):
   reduction: Reduction
   accum_dtype: jnp.dtype | None
   skip_nonfinite: bool
-  axis_name: AxisName | None
+  axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
+  noise: bool  # keep the noise-scale statistics (`_noise`) in the state
+
+  @property
+  def axis_name(self) -> AxisName | None:
+    return self.axis.name
 
   @property
   def unaccumulated(self) -> bool:
@@ -108,7 +140,7 @@ class Config(NamedTuple):
     """How `close_window` turns the sums `add` returns into the window's gradient: "mean"
     divides by the total weight, "sum" keeps them — also for a window of one with no
     accumulator, whose sums `_core.add_one` returns already normalised."""
-    return "sum" if self.unaccumulated and self.axis_name is None else self.reduction
+    return "sum" if self.unaccumulated and not self.axis.stacks else self.reduction
 
 
 def make_config(
@@ -118,13 +150,17 @@ def make_config(
   accum_dtype: Any,
   skip_nonfinite: bool,
   axis_name: AxisName | None,
+  noise_scale: bool = False,
 ) -> Config:
   """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
-  if not callable(every_k):
+  if not isinstance(noise_scale, bool):
+    raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
+  follows = isinstance(every_k, _noise.FollowNoiseScale)
+  if not callable(every_k) and not follows:
     every_k = _checks.positive_int(
       every_k,
       "every_k",
-      alternative=" or a callable gradient_step -> k",
+      alternative=", a callable gradient_step -> k or a FollowNoiseScale",
       maximum=_checks.MAX_WINDOW,
     )
   return Config(
@@ -133,25 +169,20 @@ def make_config(
     reduction=_checks.reduction(reduction),
     accum_dtype=_checks.accum_dtype(accum_dtype),
     skip_nonfinite=bool(skip_nonfinite),
-    axis_name=axis_name,
+    axis=_collectives.resolve(axis_name),
+    noise=noise_scale or follows,  # following the noise scale needs its statistics
   )
 
 
-def _per_device(tree: Any, axis_name: AxisName | None) -> Any:
-  """With an axis name each device holds its own partial sums: a leading axis of length 1 makes
-  them a stacked ``(num_devices, ...)`` array outside the map (see `state_partition_specs`)."""
-  if axis_name is None:
-    return tree
-  return jax.tree.map(lambda a: a[None], _collectives.to_varying(tree, axis_name))
-
-
-def _this_device(tree: Any, axis_name: AxisName | None) -> Any:
-  """The inverse of `_per_device`: this device's partial sums."""
-  return tree if axis_name is None else jax.tree.map(lambda a: a[0], tree)
-
-
 def _check_window(cfg: Config, state: AccumulateState) -> None:
-  """Raises if the state was made for another window length (every_k == 1 keeps no sums)."""
+  """Raises if the state was made for another window length (every_k == 1 keeps no sums) or
+  with(out) the noise-scale statistics."""
+  if (state.noise is not None) != cfg.noise:
+    made, now = (f"noise_scale={state.noise is not None}", f"noise_scale={cfg.noise}")
+    raise ValueError(
+      f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
+      "state with the object that updates it: `tx.init(params)` or `step.init(params)`."
+    )
   if (state.acc_grads is None) == cfg.unaccumulated:
     return
   if state.acc_grads is None:
@@ -164,22 +195,46 @@ def _check_window(cfg: Config, state: AccumulateState) -> None:
   )
 
 
-def _check_dtypes(cfg: Config, grads: Any, acc: Any) -> None:
-  """With ``accum_dtype=None`` the accumulator took the parameters' dtypes at `init` (the
-  gradients' own dtype is unknown until `update`): raise rather than narrow a wider gradient."""
-  if cfg.accum_dtype is not None or acc is None:
+def _check_dtypes(cfg: Config, grads: Any, acc: Any, params: Any) -> None:
+  """Raises if the state's accumulator has other dtypes than this configuration makes (a state
+  made with another `accum_dtype`: ValueError naming both), or, with ``accum_dtype=None``
+  (the parameters' dtypes at `init`), if it would narrow a wider gradient (TypeError)."""
+  if acc is None:
     return
+  made = acc  # without the parameters: this configuration applied to the state's own dtypes
+  if params is not None:
+    like = _gradient_like(params)
+    made = like if jax.tree.structure(like) == jax.tree.structure(acc) else acc
+  pairs = zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(acc), strict=True)
+  mismatched = [
+    f"  {jax.tree_util.keystr(path)}: the state's accumulator {a.dtype}, accum_dtype="
+    f"{None if cfg.accum_dtype is None else cfg.accum_dtype.name} makes {want}"
+    for ((path, _), a), want in zip(pairs, _made_dtypes(cfg, made), strict=True)
+    if want != a.dtype
+  ]
+  if mismatched:
+    raise ValueError(
+      "accumulate.update: this state was made with another accum_dtype:\n"
+      + "\n".join(mismatched)
+      + "\nAn open window keeps the precision it was opened with; make the state with the "
+      "object that updates it: `tx.init(params)` or `step.init(params)`."
+    )
   narrowed = [
     f"  {jax.tree_util.keystr(path)}: gradient {jnp.result_type(g)}, accumulator {a.dtype}"
     for (path, g), a in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(acc), strict=True)
     if jnp.promote_types(jnp.result_type(g), a.dtype) != a.dtype
   ]
-  if narrowed:
+  if narrowed and cfg.accum_dtype is None:
     raise TypeError(
       "accumulate.update: accum_dtype=None made the accumulator in the parameters' dtypes at "
       "init, which cannot hold these gradients exactly:\n" + "\n".join(narrowed) + "\n"
       "Pass the dtype to accumulate in, e.g. accum_dtype=jnp.float32."
     )
+
+
+def _made_dtypes(cfg: Config, made: Any) -> list[Any]:
+  """The accumulator dtypes `init` makes from `made` (the parameters, or the accumulator)."""
+  return [jnp.dtype(_core.accum_dtype_for(x, cfg.accum_dtype)) for x in jax.tree.leaves(made)]
 
 
 def _check_tree(grads: Any, reference: Any, skip: int, name: str, described: str) -> None:
@@ -211,34 +266,45 @@ def check_update(
   weight: Any,
   force_emit: Any,
   emit: Any,
+  caller: str = "accumulate.update",
 ) -> jax.Array | None:
   """The trace-time checks of one `update` call; returns the weight as an array (or None)."""
-  caller = "accumulate.update"
-  _collectives.check_bound(cfg.axis_name, caller)
+  cfg.axis.check_bound(caller)
   _check_window(cfg, state)
   if state.acc_grads is not None:
-    stacking = 0 if cfg.axis_name is None else 1
     described = "the tree the state was initialised with"
-    _check_tree(grads, state.acc_grads, stacking, "state", described)
+    _check_tree(grads, state.acc_grads, int(cfg.axis.stacks), "state", described)
   elif params is not None:
     _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
-  _check_dtypes(cfg, grads, state.acc_grads)
+  _check_dtypes(cfg, grads, state.acc_grads, params)
   weight = _checks.weight(weight, caller)
   _checks.flag(force_emit, "force_emit", caller)
   if emit is not None and not isinstance(emit, bool):
     raise TypeError(f"{caller}: emit must be None or a Python bool, got {emit!r}.")
   if emit is False and force_emit is True:
     raise ValueError(f"{caller}: emit=False contradicts force_emit=True.")
-  if cfg.axis_name is not None:
-    _collectives.warn_if_reduced(grads, weight, cfg.axis_name, caller)
-    _collectives.check_uniform(force_emit, "force_emit", cfg.axis_name, caller)
+  if emit is False and cfg.unaccumulated:
+    raise ValueError(EMIT_FALSE_AT_1.format(caller=caller))
+  cfg.axis.warn_if_reduced(grads, weight, caller)
+  cfg.axis.check_uniform(force_emit, "force_emit", caller)
   return weight
 
 
-def window_length(every_k: EveryK, gradient_step: jax.Array) -> jax.Array:
-  """The length of the window that opens at `gradient_step` (schedules clamped to >= 1)."""
+EMIT_FALSE_AT_1 = (
+  "{caller}: emit=False with every_k=1: every call is the last of its window (emit must be True "
+  "exactly on a window's k-th call), and with every_k=1 there is no accumulator to keep this "
+  "micro-batch for a later call. To gather micro-batches across calls use every_k >= 2 (or a "
+  "schedule), with emit=True on each window's last call; to close every window, omit emit."
+)
+
+
+def _opening_length(every_k: EveryK, gradient_step: jax.Array, decided: jax.Array) -> jax.Array:
+  """The length of a window that opens at `gradient_step` (schedules clamped to >= 1);
+  `FollowNoiseScale` takes the one `decided` when the last window closed (`next_length`)."""
   if isinstance(every_k, int):
     return jnp.asarray(every_k, jnp.int32)
+  if isinstance(every_k, _noise.FollowNoiseScale):
+    return decided
   k = jnp.asarray(every_k(gradient_step))
   if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
     raise TypeError(
@@ -247,12 +313,42 @@ def window_length(every_k: EveryK, gradient_step: jax.Array) -> jax.Array:
   return jnp.maximum(k.astype(jnp.int32), 1)
 
 
+def _first_length(every_k: EveryK) -> jax.Array:
+  """The first window's length: `every_k`, the schedule's value at step 0, or `min_k`."""
+  if isinstance(every_k, _noise.FollowNoiseScale):
+    return jnp.asarray(every_k.min_k, jnp.int32)
+  return _opening_length(every_k, jnp.zeros((), jnp.int32), None)
+
+
+def next_length(cfg: Config, k: jax.Array, noise: Any, emitting: Any) -> jax.Array:
+  """`window_k` after this micro-step: the open window's length `k`; when a window closes
+  under `FollowNoiseScale`, the next window's, decided from the noise statistics now (so a
+  host driver reads it once per update)."""
+  if not isinstance(cfg.every_k, _noise.FollowNoiseScale):
+    return k
+  return jnp.where(emitting, _noise.next_k(cfg.every_k, noise, k), k).astype(jnp.int32)
+
+
+def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
+  """The open window's length: the one recorded in the state when it opened, or, for a window
+  that opens now, the one in force (so a state from another `every_k`, or a schedule whose
+  value changes mid-window, finishes its window at the length it opened with)."""
+  opening = _opening_length(cfg.every_k, state.gradient_step, state.window_k)
+  return jnp.where(state.mini_step == 0, opening, state.window_k).astype(jnp.int32)
+
+
 def add(
   cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None
 ) -> tuple[Any, jax.Array, jax.Array]:
   """This micro-batch into the open window: ``(sums, total, dropped)`` for this device."""
-  if cfg.unaccumulated and cfg.axis_name is None:
-    return _core.add_one(grads, weight, skip_nonfinite=cfg.skip_nonfinite, reduction=cfg.reduction)
+  if cfg.unaccumulated and not cfg.axis.stacks:
+    return _core.add_one(
+      grads,
+      weight,
+      skip_nonfinite=cfg.skip_nonfinite,
+      reduction=cfg.reduction,
+      accum_dtype=cfg.accum_dtype,
+    )
   if cfg.unaccumulated:
     # Other devices will see this gradient through the psum: mask and weigh it like any window
     # (XLA folds the zeros it starts from).
@@ -261,10 +357,21 @@ def add(
   else:
     # The accumulator is reset lazily: a window's first micro-step ignores what the state holds
     # (the sums of the window closed last), so the emitting step never rewrites it.
-    sums = _this_device(state.acc_grads, cfg.axis_name)
-    total = _this_device(state.acc_weight, cfg.axis_name)
+    sums = cfg.axis.this_device(state.acc_grads)
+    total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
   return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
+
+
+def add_noise(
+  cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None, dropped: jax.Array
+) -> Any:
+  """This micro-batch's ``w|g|²`` into the open window's noise statistics (this device's part;
+  one more read of the gradient), or None without them."""
+  if not cfg.noise:
+    return None
+  ns = _with_partials(state.noise, cfg.axis.this_device(_noise.partials(state.noise)))
+  return _noise.add(ns, grads, weight, jnp.logical_not(dropped), restart=state.mini_step == 0)
 
 
 def update_types(
@@ -297,6 +404,16 @@ class Window(NamedTuple):
   inner_state: Any
   params: Any
   extra_args: dict
+  noise: Any = None  # this device's noise statistics (`add_noise`), or None
+
+
+class Closed(NamedTuple):
+  """What a micro-step's emission (or not) gives `advance`."""
+
+  out: Any  # the finished output (see `Finish`)
+  inner_state: Any
+  noise: Any  # the noise statistics: closed into the EMAs if the window closed, or None
+  applied: jax.Array  # bool scalar: the inner update ran
 
 
 class Finish(NamedTuple):
@@ -341,7 +458,7 @@ def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
   """Whether the inner updates can be returned through the window's sums (`IN_ACCUMULATOR`):
   same tree and shapes, dtypes the sums hold exactly, and no axis name (per-device sums,
   while the updates are the same on every device)."""
-  if cfg.axis_name is not None or jax.tree.structure(types) != jax.tree.structure(sums):
+  if cfg.axis.stacks or jax.tree.structure(types) != jax.tree.structure(sums):
     return False
   return all(
     t.shape == jnp.shape(s) and jnp.promote_types(t.dtype, jnp.result_type(s)) == jnp.result_type(s)
@@ -349,64 +466,96 @@ def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
   )
 
 
-def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, Any]:
-  """The inner update on the window's mean, finished (see `Finish`)."""
-  sums, total, inner_state, params, extra = window
+def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, ...]:
+  """The inner update on the window's mean, finished (see `Finish`); the window's noise
+  statistics closed (`window` holds the global sums, total and partials)."""
+  sums, total, inner_state, params, extra, noise = window
   g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  return finish.applied(updates, params, sums), optax.tree.cast_like(new_inner, inner_state)
+  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  return finish.applied(updates, params, sums), new_inner, _close_noise(noise, sums, total)
 
 
-def _no_update(finish: Finish, window: Window) -> tuple[Any, Any]:
-  return finish.empty(window.params, window.sums), window.inner_state
+def _close_noise(noise: Any, sums: Any, total: jax.Array) -> Any:
+  """The window's estimates into the noise EMAs: ``|ḡ|²`` of the mean ``Σ wᵢgᵢ / W`` from the
+  sums (one more read of them, on the emitting step only)."""
+  if noise is None:
+    return None
+  inv = 1 / jnp.where(total > 0, total, jnp.ones_like(total))
+  mean_sq = _noise.sq_norm(sums) * jnp.square(inv)
+  return _noise.close(noise, mean_sq, total, *_noise.partials(noise))
 
 
-def close_window(
-  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window
-) -> tuple[Any, Any, jax.Array]:
-  """The emitting step: one all-reduce across devices, then the inner update unless the window
-  holds no weight. Returns ``(finished output, inner state, applied)``.
+def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
+  return finish.empty(window.params, window.sums), window.inner_state, window.noise
+
+
+def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Window) -> Closed:
+  """The emitting step: one all-reduce across devices (the sums, the total weight and the
+  noise partials together), then the inner update unless the window holds no weight.
 
   `like` (the micro-batch gradients) is read only for its dtypes and device variance.
   `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
   inner optimizer with no conditional. The guard is a `lax.cond`, not a select: a select keeps
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
-  sums, total = _collectives.reduce_window(
-    window.sums, window.total, like, cfg.axis_name, cfg.normalisation
-  )
-  window = window._replace(sums=sums, total=total)
+  local = window.noise
+  window = _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
-    return *apply(window), jnp.asarray(True)
-  applied = total > 0
-  return *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+    closed = Closed(*apply(window), jnp.asarray(True))
+  else:
+    applied = window.total > 0
+    closed = Closed(
+      *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+    )
+  # The noise partials stay this device's (spent: the next add restarts them).
+  return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
 
 
-def keep_open(finish: Finish, window: Window) -> tuple[Any, Any, jax.Array]:
+def _global(cfg: Config, window: Window, like: Any) -> Window:
+  """The window summed across devices: its sums, total weight and noise partials in ONE
+  all-reduce (`like`: the micro-batch gradients, for `reduce_window`)."""
+  scalars = (window.total, _noise_partials(window.noise))
+  sums, (total, partials) = cfg.axis.reduce_window(window.sums, scalars, like, cfg.normalisation)
+  return window._replace(sums=sums, total=total, noise=_with_partials(window.noise, partials))
+
+
+def _noise_partials(noise: Any) -> tuple:
+  return () if noise is None else _noise.partials(noise)
+
+
+def _with_partials(noise: Any, partials: tuple) -> Any:
+  """The noise statistics with these window partials ``(sq_sum, count)``; None stays None."""
+  if noise is None:
+    return None
+  return noise._replace(sq_sum=partials[0], count=partials[1])
+
+
+def keep_open(finish: Finish, window: Window) -> Closed:
   """A step that applies nothing: the inner optimizer untouched."""
-  return *_no_update(finish, window), jnp.asarray(False)
+  return Closed(*_no_update(finish, window), jnp.asarray(False))
 
 
 def emit_dynamic(
   cfg: Config, like: Any, finish: Finish, guard: bool, window: Window, emitting: Any
-) -> tuple[Any, Any, jax.Array]:
+) -> Closed:
   """Emission decided on the device: the inner update runs (`lax.cond`) only when it applies.
 
   Without an axis name the window's total is known here, so one conditional on ``emitting and
   total > 0`` decides everything; with one, the total is global only after the emitting
   step's all-reduce, so `close_window` guards the empty window inside the emitting branch.
   """
-  if cfg.axis_name is not None:
+  if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
     return lax.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
-    return *apply(window), jnp.asarray(True)
-  return *lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies
+    return Closed(*apply(window), jnp.asarray(True))
+  return Closed(*lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies)
 
 
 def advance(
@@ -415,24 +564,32 @@ def advance(
   sums: Any,
   total: jax.Array,
   dropped: jax.Array,
-  inner_state: Any,
+  closed: Closed,
   emitting: Any,
-  applied: Any,
 ) -> AccumulateState:
-  """The state after this micro-step (`emitting`, `applied`: bools or boolean scalars)."""
-  axis = cfg.axis_name
-  skipped = _this_device(state.num_skipped, axis) + jnp.asarray(dropped).astype(jnp.int32)
+  """The state after this micro-step (`emitting`: a bool or boolean scalar)."""
+  axis = cfg.axis
+  skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
+  applied, noise = closed.applied, closed.noise
+  k = window_length(cfg, state)
   return AccumulateState(
     mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
     gradient_step=jnp.where(
       applied, optax.safe_increment(state.gradient_step), state.gradient_step
     ).astype(jnp.int32),
-    acc_grads=None if cfg.unaccumulated else _per_device(sums, axis),
-    acc_weight=_per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total, axis),
-    num_skipped=_per_device(skipped, axis),
-    inner_state=inner_state,
+    window_k=next_length(cfg, k, noise, emitting),
+    acc_grads=None if cfg.unaccumulated else axis.per_device(sums),
+    acc_weight=axis.per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total),
+    num_skipped=axis.per_device(skipped),
+    inner_state=closed.inner_state,
     updated=jnp.asarray(applied, jnp.bool_),
+    noise=_per_device_noise(axis, noise),
   )
+
+
+def _per_device_noise(axis: Any, noise: Any) -> Any:
+  """The noise statistics as state: their window partials per device, like `acc_weight`."""
+  return _with_partials(noise, axis.per_device(_noise_partials(noise)))
 
 
 def _gradient_like(params: Any) -> Any:
@@ -443,18 +600,22 @@ def _gradient_like(params: Any) -> Any:
 
 def init(cfg: Config, params: Any) -> AccumulateState:
   """The initial state: an empty window (no accumulator when every_k == 1)."""
-  _collectives.check_bound(cfg.axis_name, "accumulate.init")
+  axis = cfg.axis
+  axis.check_bound("accumulate.init")
   acc = None
   if not cfg.unaccumulated:
-    acc = _per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype), cfg.axis_name)
+    acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
+  # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
   return AccumulateState(
     mini_step=jnp.zeros((), jnp.int32),
     gradient_step=jnp.zeros((), jnp.int32),
+    window_k=_first_length(cfg.every_k),
     acc_grads=acc,
-    acc_weight=_per_device(jnp.zeros((), jnp.float32), cfg.axis_name),
-    num_skipped=_per_device(jnp.zeros((), jnp.int32), cfg.axis_name),
+    acc_weight=axis.per_device(jnp.zeros((), jnp.float32)),
+    num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
     inner_state=cfg.inner.init(params),
     updated=jnp.zeros((), jnp.bool_),
+    noise=_per_device_noise(axis, jax.tree.map(jnp.copy, _noise.init())) if cfg.noise else None,
   )
 
 
@@ -473,31 +634,29 @@ def update(
   grads = updates
   weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
   sums, total, dropped = add(cfg, grads, state, weight)
+  noise = add_noise(cfg, grads, state, weight, dropped)
   if cfg.unaccumulated:
-    emit = True if cfg.axis_name is not None else None  # every step closes its window
+    emit = True if cfg.axis.stacks else None  # every step closes its window
   types = update_types(cfg, grads, state.inner_state, params, extra_args, emit)
   in_acc = fits_accumulator(cfg, types, sums)
   finish = IN_ACCUMULATOR if in_acc else zeros_finish(types)
-  window = Window(sums, total, state.inner_state, params, extra_args)
+  window = Window(sums, total, state.inner_state, params, extra_args, noise)
   guard = can_be_empty(cfg, weight)
   if emit is None:
     emitting = True if cfg.unaccumulated else closes_window(cfg, state, force_emit)
-    out, inner_state, applied = emit_dynamic(cfg, grads, finish, guard, window, emitting)
+    closed = emit_dynamic(cfg, grads, finish, guard, window, emitting)
   else:
     emitting = emit
-    out, inner_state, applied = (
-      close_window(cfg, grads, finish, guard, window) if emit else keep_open(finish, window)
-    )
+    closed = close_window(cfg, grads, finish, guard, window) if emit else keep_open(finish, window)
+  updates = closed.out
   if in_acc:
-    sums, updates = out, protocol_updates(applied, out, types)
-  else:
-    updates = out
-  return updates, advance(cfg, state, sums, total, dropped, inner_state, emitting, applied)
+    sums, updates = closed.out, protocol_updates(closed.applied, closed.out, types)
+  return updates, advance(cfg, state, sums, total, dropped, closed, emitting)
 
 
 def closes_window(cfg: Config, state: AccumulateState, force_emit: Any) -> jax.Array:
   """Whether this micro-step is the last of its window (or `force_emit` closes it early)."""
-  k = window_length(cfg.every_k, state.gradient_step)
+  k = window_length(cfg, state)
   return (state.mini_step + 1 >= k) | jnp.asarray(force_emit, jnp.bool_)
 
 
@@ -527,6 +686,7 @@ def accumulate(
   accum_dtype: DType | None = jnp.float32,
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
+  noise_scale: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -552,8 +712,16 @@ def accumulate(
     inner: the optimizer to apply every k-th step; any `optax.GradientTransformation`.
     every_k: the window length, an int >= 1, or a callable ``gradient_step -> k`` (int32
       scalar in, integer scalar out) for batch-size ramps. The length of a window is the one in
-      force when it opened.
-    reduction: "mean" divides the weighted sum by the total weight; "sum" does not.
+      force when it opened, recorded in the state (`window_k`): a schedule whose value changes
+      mid-window, or a state made with another `every_k` (restored from another run), finishes
+      its open window at that length; the next window takes the length in force then.
+      every_k=1 is the same contract as every_k >= 2 with each window one micro-batch long
+      (weights, drops, dtypes); it keeps no accumulator, so ``emit=False`` raises there.
+      ``optax_accum.FollowNoiseScale(...)``: each window's length follows the measured noise
+      scale (`optax_accum.noise_scale`), decided when the window before it closes and
+      recorded in `window_k`; it changes only at window boundaries. Implies `noise_scale`.
+    reduction: "mean" divides the weighted sum ``Σ wᵢ gᵢ`` by the total weight ``Σ wᵢ``;
+      "sum" keeps the weighted sum.
     accum_dtype: the accumulator's dtype (floating or complex). Each leaf accumulates in
       ``promote_types(accum_dtype, its dtype)`` of its own kind: never narrower than the
       gradient (float64 stays float64, complex stays complex, bfloat16 is summed in float32).
@@ -567,6 +735,11 @@ def accumulate(
       differentiate with respect to ``jax.lax.pcast(params, axis_name, to="varying")``
       (already-reduced gradients warn). The accumulator is then per device (see
       `state_partition_specs`).
+    noise_scale: keep the statistics of the gradient noise scale in the state (`noise`: a few
+      float32 scalars, no parameter-sized memory): each micro-step adds ``wᵢ|gᵢ|²`` of a kept
+      micro-batch (one more read of its gradient), and the emitting step reduces those sums
+      in the all-reduce it makes anyway (scalars only) and reads the sums once more for
+      ``|ḡ|²``. Read them with `optax_accum.noise_scale(state)`. Default False: none of this.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
@@ -574,8 +747,10 @@ def accumulate(
   Raises:
     TypeError, ValueError: for a bad `every_k`, `reduction` or `accum_dtype` (at
       construction); at trace time, for a bad host `weight` or `force_emit`, gradients of
-      another tree or shape than the state, a state made for another `every_k`, or an
-      `axis_name` that nothing binds.
+      another tree or shape than the state, a state made with every_k=1 for every_k > 1 (or the
+      reverse) or with another `accum_dtype` (ValueError naming both dtypes), ``emit=False``
+      with every_k=1, or an `axis_name` that nothing binds (the error names the ways to bind
+      it: `jax.shard_map`, `optax_accum.data_parallel`, ``TrainStep(axis_name=...)``).
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
@@ -589,5 +764,5 @@ def accumulate(
   Array([-3.25, -3.25], dtype=float32)
   """
   return transformation(
-    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name)
+    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
   )

@@ -96,8 +96,10 @@ def flag(value: Any, name: str, caller: str) -> Any:
   return value
 
 
-def weight(value: Any, caller: str) -> jax.Array | None:
+def weight(value: Any, caller: str, name: str = "weight") -> jax.Array | None:
   """Validates a micro-batch weight: a real scalar; where concrete, non-negative and finite.
+
+  `name` is what the messages call it (e.g. "weight_fn(*args)" for the value a function gave).
 
   A host value (or any concrete one) must also be representable in float32, the dtype the
   weights are summed in: 1e39 passes a float64 check and overflows to inf there. A traced value
@@ -110,26 +112,26 @@ def weight(value: Any, caller: str) -> jax.Array | None:
       warnings.simplefilter("ignore", RuntimeWarning)  # float32 overflow: reported below
       w = jnp.asarray(value)
   except TypeError as e:
-    raise TypeError(f"{caller}: weight must be a non-negative scalar, got {value!r}.") from e
+    raise TypeError(f"{caller}: {name} must be a non-negative scalar, got {value!r}.") from e
   if w.ndim != 0:
     raise ValueError(
-      f"{caller}: weight must be a scalar (e.g. this micro-batch's number of real tokens), "
+      f"{caller}: {name} must be a scalar (e.g. this micro-batch's number of real tokens), "
       f"got an array of shape {w.shape}. Maybe you passed a per-example mask; pass its sum."
     )
   if not (jnp.issubdtype(w.dtype, jnp.number) or w.dtype == jnp.bool_) or jnp.issubdtype(
     w.dtype, jnp.complexfloating
   ):
-    raise TypeError(f"{caller}: weight must be a real number, got dtype {w.dtype}.")
+    raise TypeError(f"{caller}: {name} must be a real number, got dtype {w.dtype}.")
   host = _concrete(value, w)
   if host is None:
     return w  # traced: dropped or poisoned by the caller's program if invalid
   if not (0 <= host < float("inf")):  # also catches nan
-    raise ValueError(f"{caller}: weight must be non-negative and finite, got {host}.")
+    raise ValueError(f"{caller}: {name} must be non-negative and finite, got {host}.")
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", RuntimeWarning)  # the overflow we are testing for
     if not np.isfinite(np.asarray(host, WEIGHT_DTYPE)):
       raise ValueError(
-        f"{caller}: weight={host} is not representable in {np.dtype(WEIGHT_DTYPE).name}, the "
+        f"{caller}: {name}={host} is not representable in {np.dtype(WEIGHT_DTYPE).name}, the "
         f"dtype weights are summed in (largest {np.finfo(WEIGHT_DTYPE).max:.4g}). Scale the "
         "weights down: only their ratios matter for a mean."
       )

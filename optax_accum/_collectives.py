@@ -3,14 +3,18 @@
 Inside `jax.shard_map` (with ``check_vma``, the default) every value's type says over which
 mapped axes it is *device-varying*. Deferred reduction rests on that type: gradients taken with
 respect to device-varying parameters stay local (no collective in autodiff), the accumulator
-sums them per device, and one `psum` per update makes the sums global. Everything here is the
-identity when ``axis_name`` is None.
+sums them per device, and one `psum` per update makes the sums global.
+
+The front ends resolve their ``axis_name`` once, with `resolve`, into an `Axis` (a named,
+mapped axis) or `NO_AXIS` (none: every method is the identity), and hand that object down:
+no piece asks "is there an axis?" again. The module-level functions take a name for callers
+that hold one.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +33,9 @@ AXIS_NOT_BOUND = (
   "(the other mesh axes stay automatic):\n\n"
   "    jax.set_mesh(jax.make_mesh((jax.device_count(),), ({axis!r},)))\n"
   "    train_step = jax.jit(optax_accum.data_parallel(train_step, {axis!r}, batch_argnums=2))\n\n"
-  "or pass axis_name=None and let XLA reduce every micro-batch's gradient itself."
+  "or let `optax_accum.TrainStep(loss_fn, inner, every_k, axis_name={axis!r})` (or "
+  "`microbatch(..., axis_name={axis!r})`) bind it for you under plain `jax.jit`, or pass "
+  "axis_name=None and let XLA reduce every micro-batch's gradient itself."
 )
 
 ALREADY_REDUCED = (
@@ -72,9 +78,7 @@ def _mesh_in_effect() -> str:
 
 def check_bound(axis_name: AxisName | None, caller: str) -> None:
   """Raises a clear ValueError if `axis_name` is not bound by an enclosing map."""
-  if axis_name is None or is_bound(axis_name):
-    return
-  raise ValueError(f"{caller}: " + AXIS_NOT_BOUND.format(axis=axis_name, where=_mesh_in_effect()))
+  resolve(axis_name).check_bound(caller)
 
 
 def vma(x: Any) -> frozenset:
@@ -110,18 +114,6 @@ def _pcast(x: Any, axes: frozenset | tuple) -> Any:
   return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def to_varying(tree: Any, axis_name: AxisName | None) -> Any:
-  """Marks every JAX-array leaf device-varying over `axis_name`.
-
-  A no-op where variance is not tracked; Python scalars and other static leaves stay as they
-  are (they are the same on every device by construction).
-  """
-  if axis_name is None or not tracks_variance(axis_name):
-    return tree
-  axes = axis_names(axis_name)
-  return jax.tree.map(lambda x: _pcast(x, axes) if isinstance(x, jax.Array) else x, tree)
-
-
 def match_variance(tree: Any, like: Any) -> Any:
   """Casts each leaf of `tree` to (at least) the device-variance of its leaf in `like`.
 
@@ -131,15 +123,158 @@ def match_variance(tree: Any, like: Any) -> Any:
   return jax.tree.map(lambda x, t: _pcast(x, vma(t)), tree, like)
 
 
+class Axis(NamedTuple):
+  """A data-parallel axis (one mesh axis name or a tuple of them), resolved once per front end.
+
+  Its methods are what accumulation does with the axis: per-device partial sums (a leading
+  axis of length 1 inside the map, stacked ``(num_devices, ...)`` outside it), one reduction per
+  update, and the checks that keep that reduction right. `NO_AXIS` has the same methods, each
+  the identity.
+  """
+
+  name: AxisName
+
+  stacks = True  # the window's sums are per device: stacked over the axis outside the map
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """The mesh axis names, as a tuple."""
+    return axis_names(self.name)
+
+  def unbound(self) -> bool:
+    """Whether no enclosing map binds the axis (under plain jit, a front end binds it)."""
+    return not is_bound(self.name)
+
+  def check_bound(self, caller: str) -> None:
+    """Raises `AXIS_NOT_BOUND` (naming `caller`) if no enclosing map binds the axis."""
+    if self.unbound():
+      raise ValueError(
+        f"{caller}: " + AXIS_NOT_BOUND.format(axis=self.name, where=_mesh_in_effect())
+      )
+
+  def to_varying(self, tree: Any) -> Any:
+    """Marks every JAX-array leaf device-varying over the axis (a no-op where variance is not
+    tracked; Python scalars and other static leaves are the same on every device anyway)."""
+    if not tracks_variance(self.name):
+      return tree
+    axes = axis_names(self.name)
+    return jax.tree.map(lambda x: _pcast(x, axes) if isinstance(x, jax.Array) else x, tree)
+
+  def per_device(self, tree: Any) -> Any:
+    """This device's partial sums as state: a leading axis of length 1, so that outside the map
+    they are a stacked ``(num_devices, ...)`` array (see `state_partition_specs`)."""
+    return jax.tree.map(lambda a: a[None], self.to_varying(tree))
+
+  def this_device(self, tree: Any) -> Any:
+    """The inverse of `per_device`: this device's partial sums."""
+    return jax.tree.map(lambda a: a[0], tree)
+
+  def reduce(self, tree: Any) -> Any:
+    """Sums every leaf over the axis (one fused all-reduce)."""
+    return lax.psum(self.to_varying(tree), self.name)
+
+  def reduce_window(
+    self, sums: Any, total: jax.Array, like: Any, reduction: Reduction
+  ) -> tuple[Any, jax.Array]:
+    """The window's global ``(sums, total)``: ONE all-reduce for both (see `reduce_window`)."""
+    sums, total = self.reduce((sums, total))
+    if reduction == "sum" and tracks_variance(self.name):
+      size = 1
+      for a in axis_names(self.name):
+        size *= lax.axis_size(a)
+
+      def undo(s, x):
+        if is_varying(x, self.name):
+          return s
+        return s // size if jnp.issubdtype(s.dtype, jnp.integer) else s / size
+
+      sums = jax.tree.map(undo, sums, like)
+    return sums, total
+
+  def warn_if_reduced(self, tree: Any, weight: Any, caller: str) -> None:
+    """Warns (or raises, when it would be wrong) about gradients autodiff already reduced."""
+    if not tracks_variance(self.name):
+      return
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves or all(is_varying(x, self.name) for x in leaves):
+      return
+    if weight is not None and is_varying(jnp.asarray(weight), self.name):
+      raise ValueError(
+        f"{caller}: `weight` differs per device but the gradients were already all-reduced, "
+        "so the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=self.name)
+      )
+    warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=self.name), stacklevel=4)
+
+  def check_uniform(self, x: Any, name: str, caller: str) -> None:
+    """Raises if `x` is device-varying: every device must take the same branch (the
+    collective)."""
+    if isinstance(x, bool | int) or not tracks_variance(self.name):
+      return
+    if is_varying(x, self.name):
+      raise ValueError(
+        f"{caller}: {name} differs per device (it is device-varying over {self.name!r}), but "
+        "every device must close the window at the same step: the reduction is an all-reduce "
+        f"that all devices join. Compute {name} from replicated values, or agree on it first, "
+        f"e.g. `{name} = jax.lax.pmax(flag.astype(jnp.int32), {self.name!r}) > 0`."
+      )
+
+
+class NoAxis(NamedTuple):
+  """No data-parallel axis: `Axis`'s methods, each the identity (XLA reduces, if anything)."""
+
+  name: None = None
+
+  stacks = False
+  axes = ()
+
+  def unbound(self) -> bool:
+    return False
+
+  def check_bound(self, caller: str) -> None:
+    del caller
+
+  def to_varying(self, tree: Any) -> Any:
+    return tree
+
+  per_device = this_device = reduce = to_varying
+
+  def reduce_window(
+    self, sums: Any, total: jax.Array, like: Any, reduction: Reduction
+  ) -> tuple[Any, jax.Array]:
+    del like, reduction
+    return sums, total
+
+  def warn_if_reduced(self, tree: Any, weight: Any, caller: str) -> None:
+    del tree, weight, caller
+
+  def check_uniform(self, x: Any, name: str, caller: str) -> None:
+    del x, name, caller
+
+
+NO_AXIS = NoAxis()
+
+
+def resolve(axis_name: AxisName | None) -> Axis | NoAxis:
+  """The axis object for an ``axis_name`` argument: `NO_AXIS` for None. The one place that
+  asks whether there is an axis."""
+  return NO_AXIS if axis_name is None else Axis(axis_name)
+
+
+# The same operations for callers holding a name (None: the identity).
+
+
+def to_varying(tree: Any, axis_name: AxisName | None) -> Any:
+  """Marks every JAX-array leaf device-varying over `axis_name` (see `Axis.to_varying`)."""
+  return resolve(axis_name).to_varying(tree)
+
+
 def reduce(tree: Any, axis_name: AxisName | None) -> Any:
   """Sums every leaf of `tree` over `axis_name` (one fused all-reduce); identity for None.
 
   Prefer `reduce_window` for an accumulator: it knows what to do with values that autodiff
   already reduced.
   """
-  if axis_name is None:
-    return tree
-  return lax.psum(to_varying(tree, axis_name), axis_name)
+  return resolve(axis_name).reduce(tree)
 
 
 def reduce_window(
@@ -158,46 +293,4 @@ def reduce_window(
   sums are per-device (device-varying) state, and only a collective makes a device-varying
   value invariant again.
   """
-  if axis_name is None:
-    return sums, total
-  sums, total = reduce((sums, total), axis_name)
-  if reduction == "sum" and tracks_variance(axis_name):
-    size = 1
-    for a in axis_names(axis_name):
-      size *= lax.axis_size(a)
-
-    def undo(s, x):
-      if is_varying(x, axis_name):
-        return s
-      return s // size if jnp.issubdtype(s.dtype, jnp.integer) else s / size
-
-    sums = jax.tree.map(undo, sums, like)
-  return sums, total
-
-
-def warn_if_reduced(tree: Any, weight: Any, axis_name: AxisName | None, caller: str) -> None:
-  """Warns (or raises, when it would be wrong) about gradients autodiff already all-reduced."""
-  if axis_name is None or not tracks_variance(axis_name):
-    return
-  leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  if not leaves or all(is_varying(x, axis_name) for x in leaves):
-    return
-  if weight is not None and is_varying(jnp.asarray(weight), axis_name):
-    raise ValueError(
-      f"{caller}: `weight` differs per device but the gradients were already all-reduced, so "
-      "the per-device weights cannot be applied. " + ALREADY_REDUCED.format(axis=axis_name)
-    )
-  warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=axis_name), stacklevel=4)
-
-
-def check_uniform(x: Any, name: str, axis_name: AxisName | None, caller: str) -> None:
-  """Raises if `x` is device-varying: every device must take the same branch (the collective)."""
-  if axis_name is None or isinstance(x, bool | int) or not tracks_variance(axis_name):
-    return
-  if is_varying(x, axis_name):
-    raise ValueError(
-      f"{caller}: {name} differs per device (it is device-varying over {axis_name!r}), but every "
-      "device must close the window at the same step: the reduction is an all-reduce that all "
-      f"devices join. Compute {name} from replicated values, or agree on it first, e.g. "
-      f"`{name} = jax.lax.pmax(flag.astype(jnp.int32), {axis_name!r}) > 0`."
-    )
+  return resolve(axis_name).reduce_window(sums, total, like, reduction)

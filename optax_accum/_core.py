@@ -172,19 +172,29 @@ def _kept_weight(
 
 
 def add_one(
-  tree: Any, weight: jax.Array | None, *, skip_nonfinite: bool, reduction: Reduction
+  tree: Any,
+  weight: jax.Array | None,
+  *,
+  skip_nonfinite: bool,
+  reduction: Reduction,
+  accum_dtype: DType | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """A window of exactly one micro-batch, with no accumulator: ``(sums, total, dropped)``.
 
   What `add` into zeros gives, except that the sums are already the window's result: `tree`
   itself for "mean" (its weighted mean; no multiply and divide by the weight, which could move
-  a result by an ulp) and ``w * tree`` for "sum". Normalise them with "sum". `total` is the
-  weight, 0 when the micro-batch is dropped, so a zero weight or a drop still empties the
-  window.
+  a result by an ulp) and ``w * tree`` for "sum", multiplied in the accumulator dtype (as
+  `add` does) and cast back. Normalise them with "sum". `total` is the weight, 0 when the
+  micro-batch is dropped, so a zero weight or a drop still empties the window.
   """
   total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite)
   if weight is not None and reduction == "sum":
-    tree = jax.tree.map(lambda x: x * total.astype(jnp.result_type(x)), tree)
+
+    def weigh(x):
+      dtype = accum_dtype_for(x, accum_dtype)
+      return (jnp.asarray(x).astype(dtype) * total.astype(dtype)).astype(jnp.result_type(x))
+
+    tree = jax.tree.map(weigh, tree)
   return tree, total, jnp.logical_not(keep)
 
 

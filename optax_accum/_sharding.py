@@ -11,9 +11,12 @@ output of one jitted `shard_map` and the input of the next.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_accum import _collectives
@@ -21,25 +24,8 @@ from optax_accum._accumulate import AccumulateState
 from optax_accum._typing import AxisName
 
 
-@jax.tree_util.register_pytree_node_class
-class _Params:
-  """Stands for the parameter tree while the optimizer's state structure is traced."""
-
-  def tree_flatten(self):
-    return (), None
-
-  @classmethod
-  def tree_unflatten(cls, aux, children):
-    del aux, children
-    return cls()
-
-
 def _is_spec(x) -> bool:
   return isinstance(x, (PartitionSpec, NamedSharding))
-
-
-def _axes(axis_name) -> tuple[str, ...]:
-  return () if axis_name is None else _collectives.axis_names(axis_name)
 
 
 _NEEDS_AXIS = (
@@ -48,16 +34,14 @@ _NEEDS_AXIS = (
 )
 
 
-def _structure(tx, axes: tuple[str, ...]):
-  """``tx.init`` on a placeholder for the parameters, with `axes` bound (vmap of size 1)."""
-
-  def init():
-    return tx.init(_Params())
-
+def _abstract_state(tx, params: Any, axes: tuple[str, ...]) -> Any:
+  """``tx.init(params)`` traced abstractly, with `axes` bound (a vmap of size 1 each, whose
+  leading axes of length 1 are dropped again)."""
+  init = tx.init
   for a in reversed(axes):
-    init = jax.vmap(init, axis_size=1, axis_name=a)
+    init = jax.vmap(init, in_axes=None, axis_size=1, axis_name=a)
   try:
-    return jax.eval_shape(init)
+    state = jax.eval_shape(init, params)
   except (NameError, ValueError) as e:
     if isinstance(e, NameError) or "is not bound here" in str(e):
       if not axes:
@@ -68,13 +52,54 @@ def _structure(tx, axes: tuple[str, ...]):
         "`accumulate`."
       ) from e
     raise
+  n = len(axes)
+  return jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape[n:], t.dtype), state)
+
+
+def is_per_device(state: Any) -> bool:
+  """Whether `state` is an `AccumulateState` whose window sums are per device (made with an
+  `axis_name`): stacked ``(num_devices, ...)`` outside the map that binds the axis."""
+  return isinstance(state, AccumulateState) and np.ndim(state.acc_weight) > np.ndim(state.mini_step)
+
+
+def _own_specs(state: AccumulateState, dev: Any, rep: Any, acc: Any, inner: Any) -> Any:
+  """Specs of an `AccumulateState`'s fields: `dev` for the per-device scalars (its weight,
+  skip count and noise partials), `acc` for its sums, `inner` for the inner state, `rep` for
+  the rest."""
+  noise = state.noise
+  if noise is not None:
+    noise = jax.tree.map(lambda _: rep, noise)._replace(sq_sum=dev, count=dev)
+  return AccumulateState(
+    mini_step=rep,
+    gradient_step=rep,
+    window_k=rep,
+    acc_grads=acc,
+    acc_weight=dev,
+    num_skipped=dev,
+    inner_state=inner,
+    updated=rep,
+    noise=noise,
+  )
+
+
+def per_device_specs(x: Any, entry: Any) -> AccumulateState | None:
+  """The specs of a per-device `AccumulateState` over the bound axis only (`entry`: the spec
+  entry of that axis): its sums and per-device scalars split over it, the rest replicated;
+  None for anything else (`is_per_device`). The hook (``state_specs=``) through which
+  `optax_accum.data_parallel` and `TrainStep` tell the generic axis binder which of their
+  arguments and outputs are per-device state."""
+  if not is_per_device(x):
+    return None
+  rep, dev = PartitionSpec(), PartitionSpec(entry)
+  split = jax.tree.map(lambda _: dev, x.acc_grads)
+  return _own_specs(x, dev, rep, split, jax.tree.map(lambda _: rep, x.inner_state))
 
 
 def _names(part) -> tuple:
   return () if part is None else part if isinstance(part, tuple) else (part,)
 
 
-def _stacked(path, spec: PartitionSpec, axes: tuple[str, ...], gathered: bool) -> PartitionSpec:
+def _stacked(path, spec: PartitionSpec, *, axes: tuple[str, ...], gathered: bool) -> PartitionSpec:
   """The spec of a per-device accumulator: the parameter's spec, stacked over `axes`."""
   stack_axis = axes[0] if len(axes) == 1 else axes
   used = {a for part in spec for a in _names(part)}
@@ -94,7 +119,12 @@ def _stacked(path, spec: PartitionSpec, axes: tuple[str, ...], gathered: bool) -
 
 
 def state_partition_specs(
-  tx: Any, params_specs: Any, axis_name: AxisName | None, *, gathered: bool = False
+  tx: Any,
+  params_specs: Any,
+  axis_name: AxisName | None,
+  *,
+  gathered: bool = False,
+  params: Any = None,
 ) -> Any:
   """Partition specs (or shardings) for every leaf of ``tx.init(params)``.
 
@@ -108,7 +138,14 @@ def state_partition_specs(
     gets its parameter's spec; the per-device accumulator sums get ``P(axis_name, *spec)``.
   * The per-device ``acc_weight`` and ``num_skipped`` of an `accumulate` with an ``axis_name``:
     ``P(axis_name)``.
-  * Everything else (step counters, hyperparameters): ``P()``, replicated.
+  * Everything else (step counters, hyperparameters, factored statistics): ``P()``,
+    replicated.
+
+  The spec tree is built by mapping over the state `tx.init` makes (traced abstractly), so it
+  has exactly the state's structure whatever the optimizer: masks (`optax.masked`,
+  ``adamw(mask=...)``, whose masked-out leaves are `optax.MaskedNode`), label trees
+  (`optax.multi_transform`), nested chains and wrappers. A leaf is recognised as belonging to a
+  parameter by its tree path ending in that parameter's path (as in ``mu['w']``).
 
   Args:
     tx: the optimizer whose state to describe: an optax transformation (or anything with
@@ -121,6 +158,12 @@ def state_partition_specs(
       where the gradients are taken, as `optax_accum.data_parallel` does: their per-device
       accumulators are then full-size, ``P(axis_name, *spec without axis_name)``. Without it
       such a parameter is an error.
+    params: the parameters, or their `jax.ShapeDtypeStruct`s (optional): `tx.init` is traced on
+      them. Pass them for optimizers whose state shapes depend on the parameters' shapes,
+      such as `optax.adafactor` (factored second moments): a state leaf under a parameter
+      gets the parameter's spec only when it has the parameter's shape, and is replicated
+      otherwise. Without them, `tx.init` is traced on stand-ins with the tree of
+      `params_specs` (so masks and label trees work) and each parameter's leaves as shaped.
 
   Returns:
     A tree shaped like ``tx.init(params)`` with a `PartitionSpec` (or a `NamedSharding`, when
@@ -143,56 +186,87 @@ def state_partition_specs(
   >>> fsdp.acc_grads, fsdp.inner_state[0].mu
   ({'w': P('data', None)}, {'w': P('data',)})
   """
-  axes = _axes(axis_name)
+  axes = _collectives.resolve(axis_name).axes
   stack_axis = None if not axes else axes[0] if len(axes) == 1 else axes
-  template = _structure(tx, axes)
-  params_specs = jax.tree.map(lambda s: s, params_specs, is_leaf=_is_spec)
+  params_specs = _checked_specs(params_specs)
+  leaves = jax.tree.leaves(params_specs, is_leaf=_is_spec)
+  mesh = next((s.mesh for s in leaves if isinstance(s, NamedSharding)), None)
+  specs = jax.tree.map(_spec_of, params_specs, is_leaf=_is_spec)
+  if params is None:  # stand-ins with the tree of the specs, one axis per spec entry
+    params = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1,) * len(s), jnp.float32), specs,
+                          is_leaf=_is_spec)  # fmt: skip
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
+  template = _abstract_state(tx, params, axes)
+  by_path = _by_path(specs, params)
+
+  def out(spec: PartitionSpec):
+    return spec if mesh is None else NamedSharding(mesh, spec)
+
+  def leaf(path, x):
+    return out(_leaf_spec(by_path, path, x))
+
+  def node(path, x):
+    if not isinstance(x, AccumulateState):
+      return leaf(path, x)
+    per_device = is_per_device(x)
+    if per_device and not axes:
+      raise ValueError(_NEEDS_AXIS)
+    rep = out(PartitionSpec())
+    dev = out(PartitionSpec(stack_axis)) if per_device else rep
+    acc = x.acc_grads
+    if acc is not None:
+      stacked = functools.partial(_stacked, axes=axes, gathered=gathered)
+      acc = jax.tree.map_with_path(
+        lambda p, a: out(
+          stacked(p, _leaf_spec(by_path, p, a, 1)) if per_device else _leaf_spec(by_path, p, a)
+        ),
+        acc,
+      )
+    inner = jax.tree.map_with_path(lambda p, y: node(path + p, y), x.inner_state, is_leaf=_is_state)
+    return _own_specs(x, dev, rep, acc, inner)
+
+  return jax.tree.map_with_path(node, template, is_leaf=_is_state)
+
+
+def _is_state(x) -> bool:
+  return isinstance(x, AccumulateState)
+
+
+def _spec_of(s) -> PartitionSpec:
+  return s.spec if isinstance(s, NamedSharding) else s
+
+
+def _checked_specs(params_specs: Any) -> Any:
+  """`params_specs` with every leaf a spec (raising TypeError naming a leaf that is not)."""
   for path, s in jax.tree.leaves_with_path(params_specs, is_leaf=_is_spec):
     if not _is_spec(s):
       raise TypeError(
         "state_partition_specs: params_specs must hold a PartitionSpec or NamedSharding at "
         f"every leaf, got {s!r} at {jax.tree_util.keystr(path)}."
       )
-  leaves = jax.tree.leaves(params_specs, is_leaf=_is_spec)
-  mesh = next((s.mesh for s in leaves if isinstance(s, NamedSharding)), None)
-
-  def out(spec: PartitionSpec):
-    return spec if mesh is None else NamedSharding(mesh, spec)
-
-  def spec_of(s) -> PartitionSpec:
-    return s.spec if isinstance(s, NamedSharding) else s
-
-  def params_like(fn):
-    return jax.tree.map_with_path(fn, params_specs, is_leaf=_is_spec)
-
-  def node(x):
-    if isinstance(x, _Params):
-      return params_like(lambda _, s: out(spec_of(s)))
-    if isinstance(x, AccumulateState):
-      per_device = x.acc_weight.ndim > x.mini_step.ndim
-      if per_device and stack_axis is None:
-        raise ValueError(_NEEDS_AXIS)
-      dev = out(PartitionSpec(stack_axis)) if per_device else out(PartitionSpec())
-      rep = out(PartitionSpec())
-      if x.acc_grads is None:
-        acc = None
-      elif per_device:
-        acc = params_like(lambda p, s: out(_stacked(p, spec_of(s), axes, gathered)))
-      else:
-        acc = params_like(lambda _, s: out(spec_of(s)))
-      return AccumulateState(
-        mini_step=rep,
-        gradient_step=rep,
-        acc_grads=acc,
-        acc_weight=dev,
-        num_skipped=dev,
-        inner_state=jax.tree.map(node, x.inner_state, is_leaf=_is_node),
-        updated=rep,
-      )
-    return out(PartitionSpec())
-
-  return jax.tree.map(node, template, is_leaf=_is_node)
+  return params_specs
 
 
-def _is_node(x) -> bool:
-  return isinstance(x, (_Params, AccumulateState))
+def _by_path(specs: Any, params: Any) -> dict:
+  """Each parameter's tree path -> (its shape, its spec)."""
+  spec_leaves = jax.tree.leaves_with_path(specs, is_leaf=_is_spec)
+  shapes = jax.tree.leaves(params)
+  if len(shapes) != len(spec_leaves):
+    raise ValueError(
+      "state_partition_specs: params and params_specs have different trees: "
+      f"{jax.tree.structure(params)} and {jax.tree.structure(specs, is_leaf=_is_spec)}."
+    )
+  return {tuple(path): (p.shape, s) for (path, s), p in zip(spec_leaves, shapes, strict=True)}
+
+
+def _leaf_spec(by_path: dict, path: tuple, x: Any, skip: int = 0) -> PartitionSpec:
+  """The spec of a state leaf: its parameter's, if its path ends in that parameter's path
+  (the longest such) and it has that parameter's shape (after `skip` stacking axes);
+  otherwise replicated."""
+  path = tuple(path)
+  for i in range(len(path) + 1):
+    found = by_path.get(path[i:])
+    if found is not None:
+      shape, spec = found
+      return spec if tuple(x.shape[skip:]) == tuple(shape) else PartitionSpec()
+  return PartitionSpec()

@@ -27,11 +27,23 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _checks, _collectives, _gspmd
+from optax_accum import _accumulate, _checks, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+
+INSIDE_JIT = (
+  "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
+  "...). TrainStep is a host-side driver: it keeps the window position on the host and "
+  "dispatches one of its two programs, which it compiles itself. Call it outside any "
+  "transformation, from your Python training loop:\n\n"
+  "    for batch in batches:\n"
+  "        params, state, loss = step(params, state, batch)\n\n"
+  "To accumulate inside your own jitted step, use the optax protocol instead: "
+  "`tx = optax_accum.accumulate(inner, every_k)` and `updates, state = tx.update(grads, state, "
+  "params)` (with `emit=True`/`False` for two programs without a device conditional)."
+)
 
 
 def _is_float(x: Any) -> bool:
@@ -48,12 +60,17 @@ class TrainStep:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
       the loss of one micro-batch.
     inner: the optimizer applied once per window.
-    every_k: the window length, a positive int (the host must know it).
+    every_k: the window length, a positive int (the host must know it), or a
+      `FollowNoiseScale` policy: each window's length is then decided on the device when the
+      window before it closes, from the noise statistics, and read back by the host once per
+      update (a scalar; that read waits for the emitting program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
-    reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum".
-    accum_dtype: as for `accumulate`: the accumulator's dtype; None means the gradients'.
+    reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
+    accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
+      narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
+      raises rather than being narrowed.
     skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients.
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
@@ -75,16 +92,26 @@ class TrainStep:
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
       reduces every micro-step instead, into an accumulator sharded like the parameters.
     mesh: the mesh whose `axis_name` to bind; default the one in effect.
+    noise_scale: as for `accumulate`: keep the gradient noise-scale statistics in the state
+      (read them with `optax_accum.noise_scale(state)`); implied by `FollowNoiseScale`.
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
   is the `AccumulateState` that ``step.tx`` (an `accumulate` transformation) makes, so
-  checkpoints are interchangeable.
+  checkpoints are interchangeable. A state whose window was opened with another `every_k`
+  (restored from a run with another window length) finishes that window at the length it
+  opened with; the next window takes this `every_k` (the host reads the state's position and
+  window length once, for a state it did not make).
+
+  `TrainStep` is a host-side driver: call it from Python, not inside `jax.jit` (it compiles
+  its own programs); inside your own jitted step use `accumulate` (with ``emit=``).
 
   Raises:
     TypeError, ValueError: for a bad `every_k` (which must be a static int here), `reduction`,
       `accum_dtype` or `weight_fn`; at call time, for a bad host `weight` (before anything is
-      dispatched), a state made for another `every_k`, or, with `axis_name`, no mesh.
+      dispatched) or a host value from `weight_fn` (naming it), a state made with every_k=1
+      for every_k > 1 (or the reverse) or with another `accum_dtype`, traced arguments
+      (called inside `jax.jit`), or, with `axis_name`, no mesh.
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda p, x: jnp.mean((x * p) ** 2)
@@ -101,7 +128,7 @@ class TrainStep:
     self,
     loss_fn: Callable[..., Any],
     inner: optax.GradientTransformation,
-    every_k: int,
+    every_k: int | _noise.FollowNoiseScale,
     *,
     has_aux: bool = False,
     donate: bool = True,
@@ -112,33 +139,38 @@ class TrainStep:
     weight_fn: Callable[..., Any] | None = None,
     axis_name: AxisName | None = None,
     mesh: Any = None,
+    noise_scale: bool = False,
   ):
     if callable(every_k):
       raise TypeError(
-        "TrainStep: every_k must be a positive int known on the host, got "
-        f"{every_k!r}. For a schedule of window lengths use `accumulate` directly."
+        "TrainStep: every_k must be a positive int known on the host (or a FollowNoiseScale), "
+        f"got {every_k!r}. For a schedule of window lengths use `accumulate` directly."
       )
-    every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
+    if not isinstance(every_k, _noise.FollowNoiseScale):
+      every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
     if weight_fn is not None and not callable(weight_fn):
       raise TypeError(f"TrainStep: weight_fn must be callable or None, got {weight_fn!r}.")
-    if grad_buffer and axis_name is not None:
-      raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
     self._cfg = _accumulate.make_config(
-      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name=axis_name
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale
     )
+    axis = self._cfg.axis
+    if grad_buffer and axis.stacks:
+      raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
     self.every_k = every_k
     self.tx = _accumulate.transformation(self._cfg)
     self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
     self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:
-      grad_buffer = jax.default_backend() == "cpu" and axis_name is None
+      grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     self._programs = self._jit()
     # With axis_name: whether the programs' output shardings are set (`_pin`); nothing to set
     # without one.
-    self._pinned = axis_name is None
+    self._pinned = not axis.stacks
     self._position: int | None = None  # micro-steps taken in the open window
+    # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
+    self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
@@ -156,14 +188,14 @@ class TrainStep:
 
   def _binds_here(self) -> bool:
     """With `axis_name` under plain jit: the programs bind the axis themselves."""
-    axis = self._cfg.axis_name
-    return axis is not None and not _collectives.is_bound(axis)
+    return self._cfg.axis.unbound()
 
   def _state_shardings(self, params: Any) -> tuple[Any, Any]:
     """The parameters' shardings and the state's (`state_partition_specs`)."""
     shardings = self._shardings(params)
-    axis = self._cfg.axis_name
-    return shardings, state_partition_specs(self.tx, shardings, axis, gathered=True)
+    axis = self._cfg.axis.name
+    specs = state_partition_specs(self.tx, shardings, axis, gathered=True, params=params)
+    return shardings, specs
 
   def _pin(self, params: Any) -> None:
     """Pins the programs' output shardings to the parameters' own and the state's: the
@@ -184,8 +216,19 @@ class TrainStep:
       return self.tx.init(params)
     self._pin(params)
     _, specs = self._state_shardings(params)
-    init = _gspmd.bind(self.tx.init, self._cfg.axis_name, mesh=self._mesh, caller="TrainStep")
+    init = self._bind(self.tx.init)
     return jax.jit(init, out_shardings=specs)(params)
+
+  def _bind(self, fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
+    """`fun` with the axis bound under plain jit; the state is per device (`_sharding`)."""
+    return _gspmd.bind(
+      fun,
+      self._cfg.axis_name,
+      mesh=self._mesh,
+      state_specs=_sharding.per_device_specs,
+      caller="TrainStep",
+      **kwargs,
+    )
 
   def _shardings(self, params: Any) -> Any:
     """Each parameter's sharding: its own on the mesh, else replicated."""
@@ -198,15 +241,15 @@ class TrainStep:
     return specs
 
   def _step(self, params, state, grad_buffer, args, weight, *, emit: bool):
-    axis = self._cfg.axis_name
-    if axis is None or _collectives.is_bound(axis):
+    axis = self._cfg.axis
+    if not axis.unbound():
       return self._micro_step(params, state, grad_buffer, args, weight, emit=emit)
     # Data parallel under plain jit: the micro-step runs per device (`_gspmd.bind`). The
     # accumulating program leaves the inner state and the parameters outside the bound region:
     # it only reads the parameters, and an FSDP-sharded inner state would be gathered for
     # nothing on every micro-step.
     run = functools.partial(self._bound_step, emit=emit)
-    bound = _gspmd.bind(run, axis, batch_argnums=2, mesh=self._mesh, caller="TrainStep")
+    bound = self._bind(run, batch_argnums=2)
     inside = state if emit else state._replace(inner_state=None)
     new_params, new_state, value = bound(params, inside, args, weight)
     if emit:
@@ -216,12 +259,12 @@ class TrainStep:
     return params, state, grad_buffer, value
 
   def _bound_step(self, params, state, args, weight, *, emit: bool):
-    axis = self._cfg.axis_name
-    local = _collectives.to_varying(params, axis)  # per-device gradients: no all-reduce here
+    axis = self._cfg.axis
+    local = axis.to_varying(params)  # per-device gradients: no all-reduce here
     new_params, state, _, value = self._micro_step(
       local, state, _NO_BUFFER, args, weight, emit=emit, replicated=params
     )
-    value = jax.tree.map(lambda x: lax.pmean(x, axis) if _is_float(x) else x, value)
+    value = jax.tree.map(lambda x: lax.pmean(x, axis.name) if _is_float(x) else x, value)
     return (new_params if emit else None), state, value
 
   def _micro_step(self, params, state, grad_buffer, args, weight, *, emit: bool, replicated=None):
@@ -234,17 +277,18 @@ class TrainStep:
     # straight into it: they stop being temporary memory.
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
     if self._weight_fn is not None:
-      weight = self._weight_fn(*args)
-    weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit)
+      weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
+    weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
-    inner_state, applied = state.inner_state, False
+    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped)
+    window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
-      window = _accumulate.Window(sums, total, state.inner_state, params, {})
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
-      (params, sums), inner_state, applied = _accumulate.close_window(
-        cfg, grads, _accumulate.APPLY, can_be_empty, window
-      )
-    state = _accumulate.advance(cfg, state, sums, total, dropped, inner_state, emit, applied)
+      closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
+      params, sums = closed.out
+    else:
+      closed = _accumulate.keep_open(_accumulate.APPLY, window)
+    state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return params, state, grad_buffer, value
 
   def _buffer(self, params: Any, args: tuple) -> Any:
@@ -277,10 +321,8 @@ class TrainStep:
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
     if self._position is None or state is not self._last_state:
-      # A state we did not produce (restored, or from `init` of another object): read its
-      # window position once. Every other call is dispatched without waiting for the device.
-      self._position = int(jax.device_get(state.mini_step))
-    emit = force_emit or self._position + 1 >= self.every_k
+      self._read_position(params, state, args)
+    emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
     program = self._programs[emit]
@@ -288,8 +330,28 @@ class TrainStep:
       params, state, self._buffer(params, args), args, weight, emit=emit
     )
     self._position = 0 if emit else self._position + 1
+    if emit:
+      self._window_k = self._next_window_k(state)
     self._last_state = state
     return params, state, value
+
+  def _read_position(self, params: Any, state: Any, args: tuple) -> None:
+    """A state we did not produce (restored, or from `init` of another object): read its window
+    position once (and the length its open window was opened with, which it keeps). Every other
+    call is dispatched without waiting for the device."""
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, state, args))):
+      raise TypeError(INSIDE_JIT)
+    position, window_k = jax.device_get((state.mini_step, state.window_k))
+    self._position = int(position)
+    self._window_k = int(window_k) if self._position else self._next_window_k(state)
+
+  def _next_window_k(self, state: Any) -> int:
+    """The length of the window that opens next: `every_k`, or under `FollowNoiseScale` the
+    one the emitting program decided from the noise statistics (read back: one device-to-host
+    read of a scalar per update, which waits for that program)."""
+    if isinstance(self.every_k, _noise.FollowNoiseScale):
+      return int(jax.device_get(state.window_k))
+    return self.every_k
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""

@@ -496,10 +496,19 @@ def test_accumulate_scan_carry_bf16(name):
   chex.assert_trees_all_equal_shapes_and_dtypes(got, params)
   chex.assert_trees_all_equal_shapes_and_dtypes(state, tx.init(params))
   assert int(state.gradient_step) == N_WINDOWS
-  # Against the f32 large batch: bf16 (8-bit mantissa) parameters and gradients allow only
-  # bf16-level agreement: 3e-2 is ~4 bf16 ulps at the parameters' scale (~1).
-  want, _ = large_batch_reference(name)
-  chex.assert_trees_all_close(got, want, rtol=0.0, atol=3e-2)
+  # Against the large batch in the same precision (plain optax on bf16 parameters and the bf16
+  # large batches), not the float32 one: rounding the parameters to bf16 after every update
+  # moves a float32-trained run by about as much as three Adam steps move it (0.02 of 0.03),
+  # so only a bf16 reference can tell a run that trained from one that did not. The two bf16
+  # runs differ by where their gradient means round (float32 sums of micro-batch gradients vs
+  # one bf16 large-batch gradient), which can flip a parameter's rounding: up to about one
+  # bf16 ulp (2^-8 at the parameters' scale, < 1) per update, measured 1e-3. A quarter of the
+  # movement allows that and still fails a run that did not move (it misses by 4x).
+  bf16_big = [jax.tree.map(lambda x: x.astype(BF16), b) for b in BIG]
+  want, _ = ref.run_steps(OPTIMIZERS[name], params, ref.mlp_loss, bf16_big, scan=True)
+  movement = ref.max_abs_diff(want, params)
+  assert movement > 1e-2  # several bf16 ulps: the runs train
+  chex.assert_trees_all_close(got, want, rtol=0.0, atol=movement / 4)
 
 
 def sparse_loss(p, batch):
@@ -703,7 +712,12 @@ def test_accumulate_every_k_schedule_bad_return():
 
 
 def test_accumulate_public_names():
-  assert optax_accum.accumulate is accumulate
-  assert optax_accum.AccumulateState is AccumulateState
-  assert optax_accum.has_updated is has_updated
+  # The package root exports this module's public objects (not copies or wrappers) and lists
+  # them in __all__; each is documented with an example that the doctests run.
+  from optax_accum import _accumulate
+
+  for name in ("accumulate", "AccumulateState", "has_updated"):
+    assert name in optax_accum.__all__, name
+    assert getattr(optax_accum, name) is getattr(_accumulate, name), name
+  assert ">>>" in accumulate.__doc__ and ">>>" in has_updated.__doc__
   assert isinstance(accumulate(SGD, 2), optax.GradientTransformationExtraArgs)

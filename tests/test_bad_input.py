@@ -89,12 +89,12 @@ def test_1_train_step_checks_host_weights_before_dispatch_and_drops_device_ones(
   state = step.init(params)
   with pytest.raises(ValueError, match="TrainStep: weight must be non-negative and finite"):
     step(params, state, np.ones(3, np.float32), weight=-1.0)
-  assert step._position == 0  # nothing was dispatched
   xs = [np.full(3, 1.0, np.float32), np.full(3, 5.0, np.float32)]
   params, state, _ = step(params, state, xs[0], weight=jnp.asarray(-1.0))  # a device value
+  assert int(state.gradient_step) == 0  # the rejected call took no place in the window
   params, state, _ = step(params, state, xs[1], weight=np.float32(2.0))
   np.testing.assert_allclose(params["w"], -xs[1])  # only the valid micro-batch counts
-  assert int(state.num_skipped) == 1
+  assert int(state.num_skipped) == 1 and int(state.gradient_step) == 1
 
 
 @pytest.mark.parametrize("bad", [3.5e38, 1e39, np.float64(1e300)])

@@ -358,3 +358,18 @@ def test_nnx_microbatch_dropout_is_deterministic_for_a_key():
     results.append(nnx.state(model, nnx.Param))
   chex.assert_trees_all_equal(results[0], results[1])
   assert ref.max_abs_diff(results[0], results[2]) > 1e-4
+
+
+def test_has_updated_on_nnx_optimizer_state_is_a_jax_bool():
+  """nnx.Optimizer wraps each array of its state in a Variable: `has_updated` unwraps it, so
+  `bool()` works on what it returns, as on any optax state."""
+  model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+  opt = nnx.Optimizer(model, optax_accum.accumulate(optax.sgd(0.1), 2), wrt=nnx.Param)
+  x = jnp.ones((4, 2))
+  flags = []
+  for _ in range(2):
+    opt.update(model, nnx.grad(lambda m: jnp.mean(m(x) ** 2))(model))
+    flag = optax_accum.has_updated(opt.opt_state)
+    assert isinstance(flag, jax.Array) and flag.dtype == jnp.bool_
+    flags.append(bool(flag))
+  assert flags == [False, True]

@@ -5,6 +5,8 @@ which kills them on failure or timeout; the coordinator port is a free one and i
 afterwards.
 """
 
+import os
+import pathlib
 import socket
 import sys
 
@@ -15,6 +17,7 @@ import jax
 import numpy as np
 import pytest
 
+import optax_accum
 from optax_accum import launch as launcher
 
 pytestmark = pytest.mark.slow  # real processes and a coordinator: an integration test
@@ -42,6 +45,10 @@ def test_two_processes_train_like_one(tmp_path, local_devices, monkeypatch):
   ports = []
   real_free_port = launcher.free_port
   monkeypatch.setattr(launcher, "free_port", lambda: ports.append(real_free_port()) or ports[-1])
+  # The workers import the optax_accum under test (this checkout's), not an installed copy.
+  root = str(pathlib.Path(optax_accum.__file__).resolve().parent.parent)
+  path = [root, os.environ.get("PYTHONPATH")]
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
   codes = launcher.launch(
     [sys.executable, worker.__file__, str(tmp_path)],
     num_processes=2,

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 import subprocess
 import sys
 
@@ -38,6 +40,7 @@ def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
     capture_output=True,
     text=True,
     timeout=300,
+    env=_env_importing_this_checkout(),
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
   resumed = dict(np.load(out))
@@ -50,6 +53,14 @@ def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
   assert int(resumed.pop("gradient_step")) == int(state.gradient_step) == worker.TOTAL // worker.K
   assert ref.max_abs_diff(params, saved_params) > 0  # the second window did update
   chex.assert_trees_all_equal(resumed, params, strict=True)
+
+
+def _env_importing_this_checkout() -> dict:
+  """The environment for a worker process that imports the `optax_accum` under test (this
+  checkout's, as the tests do), not whichever copy is installed."""
+  root = str(pathlib.Path(optax_accum.__file__).resolve().parent.parent)
+  path = os.environ.get("PYTHONPATH")
+  return {**os.environ, "PYTHONPATH": root if not path else root + os.pathsep + path}
 
 
 @pytest.fixture(scope="module")
