@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -312,8 +313,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> list[Result]:
-  """Runs the job; returns the three `Result`s (large batch first)."""
+def main(argv: Sequence[str] | None = None) -> list:
+  """Runs the job; returns the three `Result`s (large batch first).
+
+  ``lm`` as the first argument runs the language-model task instead
+  (``python -m optax_accum.demo lm [--quick]``, see `optax_accum._lm`).
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["lm"]:
+    from optax_accum._lm import cli  # noqa: PLC0415
+
+    return cli.main(argv[1:])
   args = parse_args(argv)
   for module in _EXTRAS:
     _require(module)
