@@ -30,8 +30,10 @@ def require(module: str):
     return importlib.import_module(module)
   except ImportError as e:
     package = _EXTRAS[module.split(".")[0]]
-    extra = "pip install orbax-checkpoint" if package == "orbax-checkpoint" else (
-      "pip install 'optax-accum[examples]'"
+    extra = (
+      "pip install orbax-checkpoint"
+      if package == "orbax-checkpoint"
+      else ("pip install 'optax-accum[examples]'")
     )
     raise ImportError(
       f"`python -m optax_accum.demo lm` needs {package!r}, which is not installed. "

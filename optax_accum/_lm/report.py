@@ -29,7 +29,8 @@ def table(results: Sequence[Result]) -> str:
   """A fixed-width text table for the terminal."""
   widths = (24, 12, 20, 12, 13)
   fmt = lambda cells: "".join(  # noqa: E731
-    f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(cells, widths))
+    f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
+    for i, (c, w) in enumerate(zip(cells, widths, strict=True))
   )
   head = fmt(_COLUMNS)
   return "\n".join([head, "-" * len(head)] + [fmt(r) for r in rows(results)])

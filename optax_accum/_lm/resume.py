@@ -115,6 +115,7 @@ def main(args):
   total, stop_at = args.steps * k, int(os.environ.get(STOP_AT, "0"))
   manager = _manager(os.path.join(args.checkpoint_dir, "checkpoints"), args.checkpoint_every)
   start = manager.latest_step() or 0
+  print(f"process {jax.process_index()} of {jax.process_count()}: pid {os.getpid()}", flush=True)
   if start:
     restored = manager.restore(start, args=_items(params, state, iterator, restore=True))
     params, state = restored["params"], restored["opt_state"]
