@@ -83,8 +83,7 @@ def apply(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
   """The logits ``(..., seq_len, 256)`` for the input bytes `tokens` ``(..., seq_len)``."""
   from flax import nnx  # noqa: PLC0415  (init has checked it is installed)
 
-  state = nnx.State(jax.tree.map(lambda x: x, params))
-  return nnx.merge(graphdef, state)(tokens)
+  return nnx.merge(graphdef, params)(tokens)
 
 
 def token_losses(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
