@@ -45,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     "--distributed", action="store_true", help="with --checkpoint-dir: jax.distributed (launch)"
   )
   args = p.parse_args(argv)
+  given = sys.argv[1:] if argv is None else list(argv)
+  args.command = " ".join(["python -m optax_accum.demo lm", *given])
   cfg, batch, steps, docs, mib = PRESETS["quick" if args.quick else "full"]
   args.cfg, args.num_docs = cfg, docs
   args.batch_size = batch if args.batch_size is None else args.batch_size
@@ -137,7 +139,7 @@ def write(args, results, plan, k: int, seconds: float) -> None:
   text = [
     "# Language model: large batch, accumulation, naive mean of means",
     "",
-    f"`python -m optax_accum.demo lm {' '.join(sys.argv[2:]) or ''}`".replace(" `", "`"),
+    f"Made by `{args.command}`.",
     "",
     f"{budget.describe(plan, args.batch_size)}.",
     "",
