@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 
 import jax
-import numpy as np
 
 import optax_accum
 from optax_accum._lm import budget, data, methods, model, report, require
@@ -155,4 +154,3 @@ def write(args, results, plan, k: int, seconds: float) -> None:
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write("\n".join(text) + "\n")
   print(f"table and loss curves written to {args.out}/ (results.md, lm_loss.png)")
-  np.savez(os.path.join(args.out, "losses.npz"), **{r.name: r.losses for r in results})
