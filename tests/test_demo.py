@@ -60,7 +60,7 @@ def test_demo_missing_extra_says_how_to_install(monkeypatch):
       raise ImportError("No module named 'tqdm'")
     return real(name, *args)
 
-  monkeypatch.setattr(demo.importlib, "import_module", fake)
+  monkeypatch.setattr(importlib, "import_module", fake)
   with pytest.raises(ImportError, match=r"pip install 'optax-accum\[examples\]'"):
     demo.main(["--steps", "1", "--no-progress"])
 

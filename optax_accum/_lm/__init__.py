@@ -17,6 +17,7 @@ import importlib
 
 _EXTRAS = {
   "flax": "flax",
+  "sklearn": "scikit-learn",
   "grain": "grain",
   "tqdm": "tqdm",
   "matplotlib": "matplotlib",
@@ -24,18 +25,16 @@ _EXTRAS = {
 }
 
 
-def require(module: str):
-  """Imports an optional dependency, or says how to install it."""
+def require(module: str, command: str = "python -m optax_accum.demo lm"):
+  """Imports an optional dependency of the main job, or says how to install it."""
   try:
     return importlib.import_module(module)
   except ImportError as e:
     package = _EXTRAS[module.split(".")[0]]
-    extra = (
-      "pip install orbax-checkpoint"
-      if package == "orbax-checkpoint"
-      else ("pip install 'optax-accum[examples]'")
-    )
+    how = "pip install 'optax-accum[examples]'"
+    if package == "orbax-checkpoint":
+      how = "pip install orbax-checkpoint"
     raise ImportError(
-      f"`python -m optax_accum.demo lm` needs {package!r}, which is not installed. "
-      f"Install it:\n\n    {extra}\n"
+      f"`{command}` needs {package!r}, which is not installed. Install it:\n\n    {how}\n\n"
+      "(or, from a clone of the repository: pip install -e '.[examples]')."
     ) from e

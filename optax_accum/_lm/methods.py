@@ -64,6 +64,19 @@ def _token_mean(losses, window) -> float:
   return float(np.dot(jax.device_get(losses), counts) / sum(counts))
 
 
+def _micro_steps(step):
+  """The window as k calls of the micro-step `step`: the token mean and the mean of means."""
+
+  def window_step(params, state, window):
+    values = []
+    for mb in window:
+      params, state, value = step(params, state, mb)
+      values.append(value)
+    return params, state, _token_mean(values, window), np.mean(jax.device_get(values))
+
+  return window_step
+
+
 def _jitted(step, params, state, batch):
   """`step` jitted (params and state donated), compiled for `batch`, and its compiled peak."""
   compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, batch).compile()
@@ -109,14 +122,7 @@ def train_step(loss, params, windows, lr):
   for mb in windows[0]:  # compile both programs before the clock starts, on copies
     warm_params, warm_state, _ = step(warm_params, warm_state, mb)
 
-  def window_step(params, state, window):
-    values = []
-    for mb in window:
-      params, state, value = step(params, state, mb)
-      values.append(value)
-    return params, state, _token_mean(values, window), np.mean(jax.device_get(values))
-
-  return window_step, params, state, peak
+  return _micro_steps(step), params, state, peak
 
 
 def in_step(loss, params, windows, lr):
@@ -142,14 +148,7 @@ def naive(loss, params, windows, lr):
   state = tx.init(params)
   compiled, peak = _jitted(_adam_step(jax.value_and_grad(loss), tx), params, state, windows[0][0])
 
-  def window_step(params, state, window):
-    values = []
-    for mb in window:
-      params, state, value = compiled(params, state, mb)
-      values.append(value)
-    return params, state, _token_mean(values, window), np.mean(jax.device_get(values))
-
-  return window_step, params, state, peak
+  return _micro_steps(compiled), params, state, peak
 
 
 BUILDERS: dict[str, Callable] = {
