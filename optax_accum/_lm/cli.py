@@ -149,7 +149,8 @@ def write(args, results, plan, k: int, seconds: float) -> None:
     " vs the large batch.",
     "",
     f"Wall time {seconds:.0f} s on {platform.machine()} ({os.cpu_count()} cores), "
-    f"jax {jax.__version__}, {jax.devices()[0].platform}; tokens/s excludes compilation.",
+    f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.1f} "
+    "at the end; tokens/s excludes compilation.",
   ]
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write("\n".join(text) + "\n")

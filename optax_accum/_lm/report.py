@@ -40,6 +40,7 @@ def markdown(results: Sequence[Result]) -> str:
   """The same table in Markdown."""
   lines = ["| " + " | ".join(_COLUMNS) + " |", "|---" + "|---:" * (len(_COLUMNS) - 1) + "|"]
   lines += ["| " + " | ".join(r) + " |" for r in rows(results)]
+  lines[0] = lines[0].replace("|Δθ|", "\\|Δθ\\|")  # a literal bar inside a cell
   return "\n".join(lines)
 
 
