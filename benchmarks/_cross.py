@@ -81,14 +81,13 @@ class Protocol(Contender):
     self.name, self.tx, self.equivalent, self.static = name, tx, equivalent, static
     state = tx.init(params)
     if static:
-      # Two programs chosen by the host counter: no conditional on the device.
+      # Two programs chosen by the host counter: no conditional on the device. At k=1 every
+      # call closes its window (`emit=False` is an error there): the emitting program only.
       self.programs = {
-        "accumulate": H.compile_fn(
-          protocol_step(loss, tx, emit=False), params, state, micro[0], donate_argnums=(0, 1)
-        ),
-        "emit": H.compile_fn(
-          protocol_step(loss, tx, emit=True), params, state, micro[0], donate_argnums=(0, 1)
-        ),
+        "emit" if emit else "accumulate": H.compile_fn(
+          protocol_step(loss, tx, emit=emit), params, state, micro[0], donate_argnums=(0, 1)
+        )
+        for emit in ((False, True) if k > 1 else (True,))
       }
     else:
       self.programs = {
