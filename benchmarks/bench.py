@@ -190,6 +190,59 @@ def render(out: Path) -> None:
   print(f"rewrote {', '.join(files)} in {out}")
 
 
+def rounds_total(only: list[str], cfg: dict, n_models: int) -> int:
+  """Rounds the progress bar counts for the sections in `only`."""
+  total = 0
+  if "cross" in only:
+    total += n_models * sum(_cross.rounds_for(cfg, k) for k in cfg["ks"])
+  if "noise" in only:
+    total += n_models * sum(
+      _cross.rounds_for(cfg, k, cfg["noise_micro_steps"]) for k in cfg["noise_ks"]
+    )
+  if "within" in only:
+    total += cfg["within_rounds"] * len(cfg["within_ks"])
+  if "precision" in only:
+    total += len(cfg["precision_ks"])
+  return total
+
+
+def run_cross_models(only: list[str], cfg: dict, models: list, res: dict, bar) -> None:
+  """The sections on the cross-step models (`cross`, `noise`), into `res`."""
+  if not {"cross", "noise"} & set(only):
+    return
+  for model, micro in models:
+    res["meta"]["models"][model.name] = {
+      "params": _models.num_params(model.init(jax.random.key(0))),
+      "micro": micro,
+      "shape": model.shape,
+    }
+  if "cross" in only:
+    res["cross"] = []
+    for model, micro in models:
+      mcfg = dict(cfg, micro=micro)
+      res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=bar.write)
+  if "noise" in only:
+    res["noise"] = []
+    for model, micro in models:
+      res["noise"] += _noise.run(model, dict(cfg, micro=micro), progress=bar, log=bar.write)
+
+
+def run_meta(backend: str, device_kind: str, scale: str, cfg: dict) -> dict:
+  """What the run was: backend, device, versions, the command and its configuration."""
+  return {
+    "backend": backend,
+    "device": f"{device_kind} × {jax.device_count()}",
+    "scale": scale,
+    "command": "python benchmarks/bench.py" + (f" --scale {scale}" if scale != "cpu" else ""),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "cpu_count": os.cpu_count(),
+    "config": cfg,
+    "models": {},
+  }
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,52 +290,13 @@ def main(argv=None):
   from tqdm import tqdm
 
   models = cross_models(cfg)
-  total = 0
-  if "cross" in only:
-    total += len(models) * sum(
-      max(cfg["min_rounds"], -(-cfg["micro_steps"] // k)) for k in cfg["ks"]
-    )
-  if "noise" in only:
-    total += len(models) * sum(
-      _cross.rounds_for(cfg, k, cfg["noise_micro_steps"]) for k in cfg["noise_ks"]
-    )
-  if "within" in only:
-    total += cfg["within_rounds"] * len(cfg["within_ks"])
-  if "precision" in only:
-    total += len(cfg["precision_ks"])
+  total = rounds_total(only, cfg, len(models))
   bar = tqdm(total=total, unit="round", dynamic_ncols=True)
   log = bar.write
 
   t0 = time.perf_counter()
-  res: dict = {
-    "meta": {
-      "backend": backend,
-      "device": f"{device_kind} × {jax.device_count()}",
-      "scale": scale,
-      "command": "python benchmarks/bench.py" + (f" --scale {scale}" if scale != "cpu" else ""),
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-      "jax": jax.__version__,
-      "optax": optax.__version__,
-      "cpu_count": os.cpu_count(),
-      "config": cfg,
-      "models": {},
-    }
-  }
-  for model, micro in models if {"cross", "noise"} & set(only) else ():
-    res["meta"]["models"][model.name] = {
-      "params": _models.num_params(model.init(jax.random.key(0))),
-      "micro": micro,
-      "shape": model.shape,
-    }
-  if "cross" in only:
-    res["cross"] = []
-    for model, micro in models:
-      mcfg = dict(cfg, micro=micro)
-      res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=log)
-  if "noise" in only:
-    res["noise"] = []
-    for model, micro in models:
-      res["noise"] += _noise.run(model, dict(cfg, micro=micro), progress=bar, log=log)
+  res: dict = {"meta": run_meta(backend, device_kind, scale, cfg)}
+  run_cross_models(only, cfg, models, res, bar)
   if "within" in only:
     model = _models.mlp(tuple(cfg["within_mlp"]), name="activation-heavy mlp")
     res["meta"]["within_model"] = {
