@@ -81,14 +81,13 @@ class Protocol(Contender):
     self.name, self.tx, self.equivalent, self.static = name, tx, equivalent, static
     state = tx.init(params)
     if static:
-      # Two programs chosen by the host counter: no conditional on the device.
+      # Two programs chosen by the host counter: no conditional on the device. At k=1 every
+      # call closes its window (`emit=False` is an error there): the emitting program only.
       self.programs = {
-        "accumulate": H.compile_fn(
-          protocol_step(loss, tx, emit=False), params, state, micro[0], donate_argnums=(0, 1)
-        ),
-        "emit": H.compile_fn(
-          protocol_step(loss, tx, emit=True), params, state, micro[0], donate_argnums=(0, 1)
-        ),
+        "emit" if emit else "accumulate": H.compile_fn(
+          protocol_step(loss, tx, emit=emit), params, state, micro[0], donate_argnums=(0, 1)
+        )
+        for emit in ((False, True) if k > 1 else (True,))
       }
     else:
       self.programs = {
@@ -282,6 +281,57 @@ def faults_per_program(c: Contender, windows: int = 2) -> dict[str, float]:
   return {name: float(np.median(f)) for name, f in faults.items()}
 
 
+def rounds_for(cfg: dict, k: int, micro_steps: int | None = None) -> int:
+  """Rounds of k micro-steps that make up at least `micro_steps` (default: the config's)."""
+  steps = cfg["micro_steps"] if micro_steps is None else micro_steps
+  return max(cfg["min_rounds"], -(-steps // k))
+
+
+def time_steps(cs: list[Contender], k: int, rounds: int, cfg: dict, progress=None):
+  """Times the contenders side by side: {name: Timing} of time per micro-step.
+
+  Call after every contender has run (e.g. `check_agreement`): no warm-up here."""
+  if cfg.get("interleave_steps", True):
+    # Step by step, round robin, each step blocked: load bursts on a shared machine hit
+    # every contender alike. A sample is still the mean time per micro-step of a window.
+    return H.run_interleaved_steps(
+      {c.name: c.step for c in cs}, steps=k, rounds=rounds, progress=progress
+    )
+  # Whole windows dispatched asynchronously (accelerators: keeps dispatch overlap).
+  return H.run_side_by_side(
+    {c.name: c.window for c in cs}, rounds=rounds, units=float(k), progress=progress, warmup=0
+  )
+
+
+def program_figures(c: Contender) -> dict[str, Any]:
+  """What one contender's compiled programs hold and cost besides time: XLA's memory
+  accounting, page faults per call, HLO copies and conditionals, compile seconds, and its
+  optimizer-state bytes. Steps the contender (2 windows, for the fault counts)."""
+  faults = faults_per_program(c)
+  progs = {
+    name: {
+      "compile_s": p.compile_s,
+      "memory": p.memory,
+      "hlo": p.hlo.as_dict(),
+      "faults_per_call": faults.get(name),
+      "temp_over_mmap_threshold": p.memory.get("temp", 0) > H.MMAP_THRESHOLD,
+    }
+    for name, p in c.programs.items()
+  }
+  # Faults per micro-step: the accumulating program k-1 times, the emitting one once.
+  calls = {"accumulate": c.k - 1, "emit": 1, "step": c.k}
+  return {
+    "temp_bytes": max((p.memory.get("temp", 0) for p in c.programs.values()), default=None),
+    "state_bytes": c.state_bytes,
+    "extra_bytes": c.extra_bytes,
+    "faults_per_step": sum(calls.get(n, 0) * f for n, f in faults.items()) / c.k,
+    "copy_bytes": sum(p.hlo.copy_bytes for p in c.programs.values()),
+    "conditionals": sum(p.hlo.conditionals for p in c.programs.values()),
+    "compile_s": sum(p.compile_s for p in c.programs.values()),
+    "programs": progs,
+  }
+
+
 def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list[dict[str, Any]]:
   """All cross-step figures for one model: rows of the results table."""
   params = model.init(jax.random.key(0))
@@ -291,17 +341,7 @@ def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list
     cs = make_contenders(model, params, k, micro)
     # Two windows check that the state carries over between windows; one suffices at large k.
     agreement = check_agreement(model, params, cs, micro, windows=2 if k < 16 else 1)
-    rounds = max(cfg["min_rounds"], -(-cfg["micro_steps"] // k))
-    if cfg.get("interleave_steps", True):
-      # Step by step, round robin, each step blocked: load bursts on a shared machine hit
-      # every contender alike. A sample is still the mean time per micro-step of a window.
-      timings = H.run_interleaved_steps(
-        {c.name: c.step for c in cs}, steps=k, rounds=rounds, progress=progress
-      )
-    else:  # whole windows dispatched asynchronously (accelerators: keeps dispatch overlap)
-      timings = H.run_side_by_side(
-        {c.name: c.window for c in cs}, rounds=rounds, units=float(k), progress=progress, warmup=0
-      )
+    timings = time_steps(cs, k, rounds_for(cfg, k), cfg, progress)
     base = timings["adam (floor)"]
     ms = timings["optax.MultiSteps"]
     adam_mem = cs[0].programs["step"].memory
@@ -312,21 +352,8 @@ def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list
         dispatch[c.name] = dispatch_profile(c, cfg["dispatch_windows"])
     for c in cs:
       t = timings[c.name]
-      faults = faults_per_program(c)
-      progs = {
-        name: {
-          "compile_s": p.compile_s,
-          "memory": p.memory,
-          "hlo": p.hlo.as_dict(),
-          "faults_per_call": faults.get(name),
-          "temp_over_mmap_threshold": p.memory.get("temp", 0) > H.MMAP_THRESHOLD,
-        }
-        for name, p in c.programs.items()
-      }
-      # Faults per micro-step: the accumulating program k-1 times, the emitting one once.
-      calls = {"accumulate": c.k - 1, "emit": 1, "step": c.k}
-      per_step = sum(calls.get(n, 0) * f for n, f in faults.items()) / c.k
-      temp = max((p.memory.get("temp", 0) for p in c.programs.values()), default=None)
+      fig = program_figures(c)
+      temp = fig["temp_bytes"]
       rows.append(
         {
           "model": model.name,
@@ -337,15 +364,15 @@ def run(model, cfg: dict, ks: tuple[int, ...], progress=None, log=print) -> list
           "ratio_vs_multisteps": H.paired_ratio(t, ms),
           "temp_bytes": temp,
           "temp_minus_adam": None if temp is None else temp - adam_mem.get("temp", 0),
-          "state_bytes": c.state_bytes,
-          "state_minus_adam": c.state_bytes - adam_state,
-          "extra_bytes": c.extra_bytes,
-          "faults_per_step": per_step,
+          "state_bytes": fig["state_bytes"],
+          "state_minus_adam": fig["state_bytes"] - adam_state,
+          "extra_bytes": fig["extra_bytes"],
+          "faults_per_step": fig["faults_per_step"],
           "param_bytes": H.tree_bytes(params),
-          "copy_bytes": sum(p.hlo.copy_bytes for p in c.programs.values()),
-          "conditionals": sum(p.hlo.conditionals for p in c.programs.values()),
-          "compile_s": sum(p.compile_s for p in c.programs.values()),
-          "programs": progs,
+          "copy_bytes": fig["copy_bytes"],
+          "conditionals": fig["conditionals"],
+          "compile_s": fig["compile_s"],
+          "programs": fig["programs"],
           "agreement": agreement[c.name],
           "dispatch": dispatch.get(c.name),
         }

@@ -6,7 +6,9 @@
     python benchmarks/bench.py --only cross,within  # some sections only
 
 Sections: `cross` (accumulate vs optax.MultiSteps vs chain(adam, apply_every) vs plain Adam,
-plus the static-emission paths and `TrainStep`), `within` (microbatch vs
+plus the static-emission paths and `TrainStep`), `noise` (what `noise_scale=True` costs the
+protocol path and `TrainStep` on the cross-step models, each against itself without it),
+`within` (microbatch vs
 optax.microbatching vs a Python loop vs the large batch), `precision` (bf16 accumulators),
 `emission` (dispatch share of each emission strategy; part of `cross`), `distributed`
 (all-reduces per update on 8 host devices, in a subprocess).
@@ -42,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import _cross, _models, _precision, _report, _within  # noqa: E402
+from benchmarks import _cross, _models, _noise, _precision, _report, _within  # noqa: E402
 
-SECTIONS = ("cross", "within", "precision", "emission", "distributed")
+SECTIONS = ("cross", "noise", "within", "precision", "emission", "distributed")
 
 SCALES = {
   # Tiny: checks that the harness runs end to end; figures are dispatch-bound, not meaningful.
@@ -59,6 +61,8 @@ SCALES = {
     "min_rounds": 3,
     "dispatch_k": 4,
     "dispatch_windows": 2,
+    "noise_ks": (4,),
+    "noise_micro_steps": 8,
     "within_mlp": (16, 64, 64, 10),
     "global_batch": 512,
     "within_ks": (1, 2, 4, 8, 16, 32, 64),
@@ -85,6 +89,9 @@ SCALES = {
     "min_rounds": 3,
     "dispatch_k": 4,
     "dispatch_windows": 2,
+    # Four contenders only, and a ratio near 1 to resolve: more rounds than `cross`.
+    "noise_ks": (4, 16),
+    "noise_micro_steps": 192,
     "within_mlp": (16, 128, 128, 128, 128, 10),
     "global_batch": 8192,
     "within_ks": (1, 2, 4, 8, 16, 32, 64),
@@ -107,6 +114,8 @@ SCALES = {
     "interleave_steps": False,  # keep asynchronous dispatch: whole windows, blocked at the end
     "dispatch_k": 4,
     "dispatch_windows": 16,
+    "noise_ks": (4, 16),
+    "noise_micro_steps": 384,
     "within_mlp": (64, 1024, 1024, 1024, 1024, 10),
     "global_batch": 65536,
     "within_ks": (1, 2, 4, 8, 16, 32, 64),
@@ -181,6 +190,59 @@ def render(out: Path) -> None:
   print(f"rewrote {', '.join(files)} in {out}")
 
 
+def rounds_total(only: list[str], cfg: dict, n_models: int) -> int:
+  """Rounds the progress bar counts for the sections in `only`."""
+  total = 0
+  if "cross" in only:
+    total += n_models * sum(_cross.rounds_for(cfg, k) for k in cfg["ks"])
+  if "noise" in only:
+    total += n_models * sum(
+      _cross.rounds_for(cfg, k, cfg["noise_micro_steps"]) for k in cfg["noise_ks"]
+    )
+  if "within" in only:
+    total += cfg["within_rounds"] * len(cfg["within_ks"])
+  if "precision" in only:
+    total += len(cfg["precision_ks"])
+  return total
+
+
+def run_cross_models(only: list[str], cfg: dict, models: list, res: dict, bar) -> None:
+  """The sections on the cross-step models (`cross`, `noise`), into `res`."""
+  if not {"cross", "noise"} & set(only):
+    return
+  for model, micro in models:
+    res["meta"]["models"][model.name] = {
+      "params": _models.num_params(model.init(jax.random.key(0))),
+      "micro": micro,
+      "shape": model.shape,
+    }
+  if "cross" in only:
+    res["cross"] = []
+    for model, micro in models:
+      mcfg = dict(cfg, micro=micro)
+      res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=bar.write)
+  if "noise" in only:
+    res["noise"] = []
+    for model, micro in models:
+      res["noise"] += _noise.run(model, dict(cfg, micro=micro), progress=bar, log=bar.write)
+
+
+def run_meta(backend: str, device_kind: str, scale: str, cfg: dict) -> dict:
+  """What the run was: backend, device, versions, the command and its configuration."""
+  return {
+    "backend": backend,
+    "device": f"{device_kind} × {jax.device_count()}",
+    "scale": scale,
+    "command": "python benchmarks/bench.py" + (f" --scale {scale}" if scale != "cpu" else ""),
+    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+    "jax": jax.__version__,
+    "optax": optax.__version__,
+    "cpu_count": os.cpu_count(),
+    "config": cfg,
+    "models": {},
+  }
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -228,44 +290,13 @@ def main(argv=None):
   from tqdm import tqdm
 
   models = cross_models(cfg)
-  total = 0
-  if "cross" in only:
-    total += len(models) * sum(
-      max(cfg["min_rounds"], -(-cfg["micro_steps"] // k)) for k in cfg["ks"]
-    )
-  if "within" in only:
-    total += cfg["within_rounds"] * len(cfg["within_ks"])
-  if "precision" in only:
-    total += len(cfg["precision_ks"])
+  total = rounds_total(only, cfg, len(models))
   bar = tqdm(total=total, unit="round", dynamic_ncols=True)
   log = bar.write
 
   t0 = time.perf_counter()
-  res: dict = {
-    "meta": {
-      "backend": backend,
-      "device": f"{device_kind} × {jax.device_count()}",
-      "scale": scale,
-      "command": "python benchmarks/bench.py" + (f" --scale {scale}" if scale != "cpu" else ""),
-      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-      "jax": jax.__version__,
-      "optax": optax.__version__,
-      "cpu_count": os.cpu_count(),
-      "config": cfg,
-      "models": {},
-    }
-  }
-  if "cross" in only:
-    res["cross"] = []
-    for model, micro in models:
-      params = model.init(jax.random.key(0))
-      res["meta"]["models"][model.name] = {
-        "params": _models.num_params(params),
-        "micro": micro,
-        "shape": model.shape,
-      }
-      mcfg = dict(cfg, micro=micro)
-      res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=log)
+  res: dict = {"meta": run_meta(backend, device_kind, scale, cfg)}
+  run_cross_models(only, cfg, models, res, bar)
   if "within" in only:
     model = _models.mlp(tuple(cfg["within_mlp"]), name="activation-heavy mlp")
     res["meta"]["within_model"] = {
@@ -284,7 +315,11 @@ def main(argv=None):
   res["meta"]["seconds"] = time.perf_counter() - t0
   files = _report.write(res, out)
   print()
-  print(_report.markdown({**res, "cross": [], "within": [], "precision": [], "distributed": []}))
+  print(
+    _report.markdown(
+      {**res, "cross": [], "noise": [], "within": [], "precision": [], "distributed": []}
+    )
+  )
   print(f"wrote {', '.join(files)} to {out}")
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -36,25 +36,11 @@ import optax
 
 import optax_accum
 from optax_accum import _hlo
+from optax_accum._lm import require
 
-_EXTRAS = {
-  "flax": "flax",
-  "sklearn": "scikit-learn",
-  "tqdm": "tqdm",
-  "matplotlib": "matplotlib",
-}
-
-
-def _require(module: str):
-  """Imports an optional dependency, or says how to install it."""
-  try:
-    return importlib.import_module(module)
-  except ImportError as e:
-    raise ImportError(
-      f"`python -m optax_accum.demo` needs {_EXTRAS[module.split('.')[0]]!r}, which is not "
-      "installed. Install the examples extra:\n\n    pip install 'optax-accum[examples]'\n\n"
-      "(or, from a clone of the repository: pip install -e '.[examples]')."
-    ) from e
+_EXTRAS = ("flax", "sklearn", "tqdm", "matplotlib")
+# Imports an optional dependency, or says how to install it (shared with the `lm` task).
+_require = functools.partial(require, command="python -m optax_accum.demo")
 
 
 @dataclasses.dataclass
@@ -312,8 +298,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def main(argv: Sequence[str] | None = None) -> list[Result]:
-  """Runs the job; returns the three `Result`s (large batch first)."""
+def main(argv: Sequence[str] | None = None) -> list:
+  """Runs the job; returns the three `Result`s (large batch first).
+
+  ``lm`` as the first argument runs the language-model task instead
+  (``python -m optax_accum.demo lm [--quick]``, see `optax_accum._lm`).
+  """
+  argv = sys.argv[1:] if argv is None else list(argv)
+  if argv[:1] == ["lm"]:
+    from optax_accum._lm import cli  # noqa: PLC0415
+
+    return cli.main(argv[1:])
   args = parse_args(argv)
   for module in _EXTRAS:
     _require(module)

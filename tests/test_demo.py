@@ -1,11 +1,16 @@
-"""The main job (`python -m optax_accum.demo`) on tiny flags: the three methods agree."""
+"""The main job (`python -m optax_accum.demo`) on tiny flags: the three methods agree; its
+language-model task (``demo lm --quick``): token-weighted accumulation agrees, the naive mean of
+means does not."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
 from optax_accum import demo
+from optax_accum._lm import cli as lm_cli
 
 pytestmark = pytest.mark.slow  # the demo's main job end to end: an integration test
 
@@ -55,6 +60,46 @@ def test_demo_missing_extra_says_how_to_install(monkeypatch):
       raise ImportError("No module named 'tqdm'")
     return real(name, *args)
 
-  monkeypatch.setattr(demo.importlib, "import_module", fake)
+  monkeypatch.setattr(importlib, "import_module", fake)
   with pytest.raises(ImportError, match=r"pip install 'optax-accum\[examples\]'"):
     demo.main(["--steps", "1", "--no-progress"])
+
+
+def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
+  results = demo.main(["lm", "--quick", "--no-progress", "--out", str(tmp_path)])
+  names = [r.name for r in results]
+  assert names == ["large batch", "TrainStep", "microbatch", "naive", "large batch, reordered"]
+  large, ours, naive, floor = results[0], results[1:3], results[3], results[4]
+  assert large.losses[-1] < large.losses[0] - 1.0  # it trained
+  for r in ours:
+    # Float32: the window's sums in another order than the large batch's; Adam then carries
+    # the last-bit differences on (the reordered large batch drifts as far: `floor`).
+    np.testing.assert_allclose(r.losses, large.losses, rtol=1e-5)
+    assert r.max_param_diff < 1e-5 and r.max_param_diff < 10 * max(floor.max_param_diff, 1e-7)
+  assert naive.max_param_diff > 100 * max(r.max_param_diff for r in ours)
+  assert np.max(np.abs(naive.losses - large.losses)) > 1e-4
+  assert np.max(np.abs(naive.reported - naive.losses)) > 1e-3  # the mean of means it shows
+  out = capsys.readouterr().out
+  budget, large_peak, k, k_peak = re.search(
+    r"memory budget ([\d.]+) MiB: .* needs ([\d.]+) MiB .* k=(\d+) micro-batches of \d+, peak "
+    r"([\d.]+) MiB",
+    out,
+  ).groups()
+  assert float(large_peak) > float(budget) >= float(k_peak) and int(k) > 1
+  assert (tmp_path / "lm_loss.png").read_bytes()[:4] == b"\x89PNG"
+  table = (tmp_path / "results.md").read_text()
+  assert all(name in table for name in names) and "tokens/s" in table
+
+
+@pytest.mark.parametrize(
+  "argv, match",
+  [
+    (["--quick", "--k", "3"], "--batch-size must be a multiple of --k=3, got 16"),
+    (["--steps", "0"], "--steps must be a positive int, got 0"),
+    (["--memory-budget-mib", "0"], "--memory-budget-mib must be positive, got 0.0"),
+  ],
+)
+def test_demo_lm_bad_flags_name_the_flag(argv, match, capsys):
+  with pytest.raises(SystemExit):
+    lm_cli.parse_args(argv)
+  assert match in capsys.readouterr().err
