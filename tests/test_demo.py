@@ -94,7 +94,7 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
 @pytest.mark.parametrize(
   "argv, match",
   [
-    (["--quick", "--k", "3"], "--batch-size must be a multiple of --k=3, got 16"),
+    (["--quick", "--k", "3"], "--batch-size must be a multiple of --k=3, got 4"),
     (["--steps", "0"], "--steps must be a positive int, got 0"),
     (["--memory-budget-mib", "0"], "--memory-budget-mib must be positive, got 0.0"),
   ],

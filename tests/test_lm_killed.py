@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow  # processes killed and restarted: an integration 
 
 K, TOTAL, EVERY = 4, 12, 3
 RUN = ["-m", "optax_accum.demo", "lm", "--quick", "--no-progress", "--steps", str(TOTAL // K)]
-RUN += ["--k", str(K), "--checkpoint-every", str(EVERY)]
+RUN += ["--batch-size", "8", "--k", str(K), "--checkpoint-every", str(EVERY)]
 
 
 def _env(tmp_path, stop_at: int | None) -> dict:

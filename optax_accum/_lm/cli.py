@@ -18,7 +18,7 @@ from optax_accum._lm import budget, data, methods, model, report, require
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
 PRESETS = {
   "full": (model.Config(seq_len=128, width=64, heads=4, layers=2), 32, 60, 8192, 12.0),
-  "quick": (model.Config(seq_len=64, width=32, heads=2, layers=1), 16, 6, 1024, 1.5),
+  "quick": (model.Config(seq_len=64, width=32, heads=2, layers=1), 4, 8, 1024, 1.5),
 }
 EVAL_DOCS = 256
 

@@ -64,6 +64,12 @@ def _token_mean(losses, window) -> float:
   return float(np.dot(jax.device_get(losses), counts) / sum(counts))
 
 
+def _commit(tree):
+  """A copy of `tree` committed to the default device, as every step's outputs are: the
+  `TrainStep` programs compiled in the warm-up are the ones the timed run calls."""
+  return jax.device_put(jax.device_get(tree), jax.devices()[0])
+
+
 def _micro_steps(step):
   """The window as k calls of the micro-step `step`: the token mean and the mean of means."""
 
@@ -114,12 +120,12 @@ def large_batch(loss, params, windows, lr, order=1):
 def train_step(loss, params, windows, lr):
   """`TrainStep` with token weights: k micro-steps per window."""
   step = optax_accum.TrainStep(loss, optax.adam(lr), len(windows[0]), weight_fn=model.real_tokens)
-  state = step.init(params)
+  state = _commit(step.init(params))
   # The emitting program (gradient, accumulator and Adam's update) is the larger of the two.
   peak = _peak(step.lower(params, state, windows[0][0], emit=True).compile())
-  copy = lambda tree: jax.tree.map(jnp.array, tree)  # noqa: E731
-  warm_params, warm_state = copy(params), copy(state)
-  for mb in windows[0]:  # compile both programs before the clock starts, on copies
+  warm_params = _commit(params)
+  warm_state = _commit(step.init(warm_params))
+  for mb in windows[0] * 2:  # compile its programs before the clock starts, on copies
     warm_params, warm_state, _ = step(warm_params, warm_state, mb)
 
   return _micro_steps(step), params, state, peak
@@ -165,7 +171,7 @@ def train(name: str, loss, params0, windows, lr: float, progress: bool = True) -
   from optax_accum._lm import require  # noqa: PLC0415
 
   tqdm = require("tqdm").tqdm
-  params = jax.tree.map(jnp.array, params0)  # a copy: the steps donate their inputs
+  params = _commit(params0)  # a copy: the steps donate their inputs
   window_step, params, state, peak = BUILDERS[name](loss, params, windows, lr)
   losses, reported = np.zeros(len(windows)), np.zeros(len(windows))
   bar = tqdm(windows, desc=f"{name:>11}", disable=not progress, leave=True)

@@ -74,9 +74,11 @@ def init(cfg: Config, seed: int) -> tuple[Any, dict]:
   from optax_accum._lm import require  # noqa: PLC0415
 
   nnx = require("flax.nnx")
-  model = _modules(nnx)(cfg, nnx.Rngs(seed))
-  graphdef, state = nnx.split(model)
-  return graphdef, state.to_pure_dict()
+  build = lambda: _modules(nnx)(cfg, nnx.Rngs(seed))  # noqa: E731
+  graphdef, _ = nnx.split(nnx.eval_shape(build))
+  # One compiled program draws every initial value (eagerly, each draw would compile its own).
+  params = jax.jit(lambda: nnx.split(build())[1].to_pure_dict())()
+  return graphdef, params
 
 
 def apply(graphdef, params: dict, tokens: jax.Array) -> jax.Array:
