@@ -1,9 +1,9 @@
 """optax_accum: exact gradient accumulation for JAX and optax."""
 
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
-from optax_accum._gspmd import data_parallel
+from optax_accum._data_parallel import data_parallel
 from optax_accum._hlo import count_collectives
-from optax_accum._microbatch import microbatch
+from optax_accum._microbatch import MicrobatchInfo, microbatch
 from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
 from optax_accum._plan import MicrobatchPlan, plan_microbatches
 from optax_accum._sharding import state_partition_specs
@@ -12,6 +12,7 @@ from optax_accum._train_step import TrainStep
 __all__ = [
   "AccumulateState",
   "FollowNoiseScale",
+  "MicrobatchInfo",
   "MicrobatchPlan",
   "NoiseScale",
   "TrainStep",

@@ -444,16 +444,3 @@ def _resolve_for(axis_name: AxisName, mesh: Any, sync: Sync, caller: str) -> Axi
   if sync == "microbatch" and not _collectives.is_bound(axis_name):
     return Axis(axis_name, "unbound")
   return resolve_axis(axis_name, mesh, caller)
-
-
-def __getattr__(name: str) -> Any:
-  """`_gspmd.data_parallel`, still imported by `optax_accum/__init__.py` (not this branch's file).
-
-  TODO(lead): in `__init__.py` import ``from optax_accum._data_parallel import data_parallel``
-  and delete this hook. Lazy, because `_data_parallel` imports this module.
-  """
-  if name == "data_parallel":
-    from optax_accum._data_parallel import data_parallel  # noqa: PLC0415
-
-    return data_parallel
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
