@@ -615,7 +615,7 @@ def init(cfg: Config, params: Any) -> AccumulateState:
     num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
     inner_state=cfg.inner.init(params),
     updated=jnp.zeros((), jnp.bool_),
-    noise=_per_device_noise(axis, jax.tree.map(jnp.copy, _noise.init())) if cfg.noise else None,
+    noise=_per_device_noise(axis, _noise.init()) if cfg.noise else None,
   )
 
 

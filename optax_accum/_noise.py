@@ -100,8 +100,10 @@ def init() -> NoiseState:
   >>> _noise.scale(_noise.init()).b_simple
   Array(nan, dtype=float32)
   """
-  zero, nan = jnp.zeros((), _F32), jnp.full((), jnp.nan, _F32)
-  return NoiseState(zero, zero, zero, zero, zero, nan, nan)
+  # A fresh array per field: a donating step must not see one buffer twice.
+  zero = lambda: jnp.zeros((), _F32)  # noqa: E731
+  nan = lambda: jnp.full((), jnp.nan, _F32)  # noqa: E731
+  return NoiseState(zero(), zero(), zero(), zero(), zero(), nan(), nan())
 
 
 def sq_norm(tree: Any) -> jax.Array:
