@@ -394,6 +394,8 @@ def noise_scale(state: Any) -> NoiseScale:
 
 
 class _FollowNoiseScaleFields(NamedTuple):
+  """The fields of `FollowNoiseScale` (which checks them at construction)."""
+
   min_k: int = 1
   max_k: int | None = None
   micro_batch_weight: float = 1.0
@@ -426,7 +428,7 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
       estimate down as well.
     max_growth: the most k may grow in one window, a factor ``> 1`` (at least one
       micro-batch more is always allowed): ``k_next <= ceil(k · max_growth)``. The default,
-      1.25, ramps from 2 to 32 micro-batches in about 13 windows, a few percent of a run, yet
+      1.25, ramps from 2 to 32 micro-batches in 11 windows, a few percent of a run, yet
       keeps a noisy early estimate (short windows measure |G|² worst) from committing k at
       once to a length that, since k does not shrink, it would keep: while k ramps, the
       EMAs take in the longer, more precise windows. ``float("inf")``: no limit.
