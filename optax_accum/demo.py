@@ -17,6 +17,10 @@ time per example) and writes a PNG of the loss curves.
 
 The optional dependencies (flax, scikit-learn, tqdm, matplotlib) are imported inside `main`, so
 importing this module never needs them.
+
+The second task, ``python -m optax_accum.demo lm [--quick]``, trains a byte-level transformer on
+the standard library's source four ways (large batch, `TrainStep` and `microbatch` with token
+weights, the naive mean of micro-batch means) under a memory budget; see `optax_accum._lm`.
 """
 
 from __future__ import annotations

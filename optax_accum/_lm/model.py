@@ -77,7 +77,7 @@ def init(cfg: Config, seed: int) -> tuple[Any, dict]:
   build = lambda: _modules(nnx)(cfg, nnx.Rngs(seed))  # noqa: E731
   graphdef, _ = nnx.split(nnx.eval_shape(build))
   # One compiled program draws every initial value (eagerly, each draw would compile its own).
-  params = jax.jit(lambda: nnx.split(build())[1].to_pure_dict())()
+  params = jax.jit(lambda: nnx.to_pure_dict(nnx.split(build())[1]))()
   return graphdef, params
 
 
