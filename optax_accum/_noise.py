@@ -83,7 +83,7 @@ class NoiseScale(NamedTuple):
   window size, and a larger window is needed to measure it.
   """
 
-  grad_sq: jax.Array  # smoothed |G|², the squared norm of the true gradient
+  grad_sq: jax.Array  # smoothed ``|G|²``, the squared norm of the true gradient
   trace_cov: jax.Array  # smoothed tr Σ, the per-unit-weight gradient variance
   b_simple: jax.Array  # trace_cov / grad_sq: the simple noise scale, in units of the weight
   window_grad_sq: jax.Array  # the last measured window's Q (not smoothed)
@@ -360,7 +360,7 @@ def noise_scale(state: Any) -> NoiseScale:
     state: the optimizer state, or a state (pytree) that holds it.
 
   Returns:
-    A `NoiseScale` of plain float32 arrays: `grad_sq` and `trace_cov` (smoothed |G|² and
+    A `NoiseScale` of plain float32 arrays: `grad_sq` and `trace_cov` (smoothed ``|G|²`` and
     tr Σ), `b_simple` (their ratio, the simple noise scale, in units of the micro-batch
     weight: micro-batches with the default weight 1, examples or tokens when the weights
     count them), `window_grad_sq` and `window_trace_cov` (the last window's own estimates).
@@ -412,7 +412,7 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
   training — the batch-size ramp of GPT-3 and of Pollux, driven by the measurement. The length
   changes only at window boundaries; every window is still exactly the large batch of its
   micro-batches. Until B_simple is measured (NaN), or while it is not a positive finite number
-  (the smoothed |G|² is not positive yet), k stays where it is. Schedules inside `accumulate`
+  (the smoothed ``|G|²`` is not positive yet), k stays where it is. Schedules inside `accumulate`
   keep counting updates; the learning rate is not changed (scale it yourself if you want to:
   see the guide "How large a batch?").
 
@@ -429,7 +429,7 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
     max_growth: the most k may grow in one window, a factor ``> 1`` (at least one
       micro-batch more is always allowed): ``k_next <= ceil(k · max_growth)``. The default,
       1.25, ramps from 2 to 32 micro-batches in 11 windows, a few percent of a run, yet
-      keeps a noisy early estimate (short windows measure |G|² worst) from committing k at
+      keeps a noisy early estimate (short windows measure ``|G|²`` worst) from committing k at
       once to a length that, since k does not shrink, it would keep: while k ramps, the
       EMAs take in the longer, more precise windows. ``float("inf")``: no limit.
 
@@ -488,7 +488,7 @@ def next_k(policy: FollowNoiseScale, ns: NoiseState, current_k: jax.Array | int)
 
   ``k = clip(round(b_simple / micro_batch_weight), min_k, max_k)``, at most
   ``max(ceil(current_k · max_growth), current_k + 1)``; where b_simple is NaN, not positive or
-  infinite (nothing measured yet, or a smoothed |G|² that is not positive), ``current_k``;
+  infinite (nothing measured yet, or a smoothed ``|G|²`` that is not positive), ``current_k``;
   unless ``policy.shrink``, never below ``current_k``. The result is always in
   ``[min_k, max_k]``.
 
