@@ -35,6 +35,13 @@ def test_demo_main_three_methods_agree(tmp_path, capsys):
   for r in results:
     assert r.name in table
   assert "µs/example" in table and "peak mem" in table
+  # accumulate measured the gradient noise scale (in micro-batches) and the demo printed it.
+  printed = re.search(r"B_simple \(gradient noise scale.*\): (\S+) micro-batches of 16", table)
+  assert printed, table
+  b_simple = float(printed.group(1))
+  assert np.isfinite(b_simple) and b_simple > 0
+  assert b_simple == pytest.approx(results[1].b_simple[-1], abs=0.005)  # the printed figure
+  assert results[0].b_simple is None and results[2].b_simple is None
 
 
 @pytest.mark.parametrize(
