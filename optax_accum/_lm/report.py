@@ -12,7 +12,7 @@ _COLUMNS = ("method", "final loss", "max |Δθ| vs large", "tokens/s", "peak mem
 NOISE_NOTE = (
   "B_simple = tr Σ / |G|², the gradient noise scale (McCandlish et al. 2018), is measured by "
   "`TrainStep(..., noise_scale=True)` from the token-weighted micro-batches of each window, in "
-  "tokens; it is the critical batch and grows as the loss falls"
+  "tokens; it predicts the critical batch and grows as the loss falls"
 )
 
 
@@ -79,10 +79,19 @@ def _noise_panel(ax, results, steps) -> None:
   if noisy is None:
     ax.set_axis_off()
     return
-  ax.plot(steps, noisy.window_b_simple, ".", ms=4, color="0.55", label="one window's T / Q")
+  window, batch = noisy.window_b_simple, noisy.tokens / len(steps)
+  # A window whose Q is not positive (the noise swamps the gradient at this k) has no ratio to
+  # draw on a log scale: counted in the legend instead.
+  shown = np.where(window > 0, window, np.nan)
+  unshown = int(np.sum(~(window > 0)))
+  ax.plot(steps, shown, ".", ms=4, color="0.55",
+          label=f"one window's T / Q ({unshown} with Q ≤ 0 not drawn)")  # fmt: skip
   ax.plot(steps, noisy.b_simple, "-", lw=2.0, color="C0", label="B_simple (EMAs of T and Q)")
-  ax.axhline(noisy.tokens / len(steps), ls=":", color="C3", label="the batch's real tokens")
-  ax.set_yscale("symlog", linthresh=100.0)
+  ax.axhline(batch, ls=":", color="C3", label="the batch's real tokens")
+  positive = noisy.b_simple[noisy.b_simple > 0]
+  low = min(positive.min(), batch) / 3 if positive.size else batch / 100
+  ax.set_yscale("log")
+  ax.set_ylim(low, 10 * max(positive.max() if positive.size else batch, batch))
   ax.set(
     xlabel="optimizer step",
     ylabel="tokens",
