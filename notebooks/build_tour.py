@@ -33,7 +33,7 @@ jupyter lab notebooks/tour.ipynb
 
 The `examples` extra holds what the cells import (flax, scikit-learn, matplotlib); the `docs`
 extra adds a Jupyter kernel (ipykernel) but no Jupyter front end, so add `jupyterlab` (or open
-the file in any editor that runs notebooks). It runs on a CPU in about a minute.""",
+the file in any editor that runs notebooks). It runs on a CPU in about two minutes.""",
   ),
   (
     "md",
@@ -246,6 +246,72 @@ assert diff < TOL""",
   ),
   (
     "md",
+    """## How large a batch? The gradient noise scale
+
+Accumulation computes gradients at two batch sizes anyway — each micro-batch is a small batch,
+each window a large one — and that is all the *gradient noise scale*
+`B_simple = tr Σ / |G|²` (McCandlish et al., 2018) needs: the batch size past which a larger
+batch buys almost no fewer optimizer steps. `TrainStep(..., noise_scale=True)` (or
+`accumulate(..., noise_scale=True)`) keeps a few scalars in the state; each closed window gives
+an unbiased estimate of the trace `T` and of `|G|²` (`Q`), and `optax_accum.noise_scale(state)`
+reports `b_simple` from exponential moving averages of the two, taken separately (the ratio of
+the averages: one window's `T / Q` with `k = 4` is very noisy). Its unit is the micro-batch
+weight: here weight 1 per micro-batch, so `B_simple` counts micro-batches of 64 examples
+(pass token counts as weights and it counts tokens).
+
+We train the same MLP longer, 120 optimizer steps of 4 × 64, and read it after each step.""",
+  ),
+  (
+    "code",
+    """step = optax_accum.TrainStep(loss_fn, optax.adam(1e-3), every_k=K, noise_scale=True)
+params = jax.tree.map(jnp.copy, params0)
+state = step.init(params)
+read_noise = jax.jit(optax_accum.noise_scale)  # a few scalar operations, compiled once
+rng = np.random.default_rng(1)
+noise_losses, history = [], []
+for _ in range(120):  # optimizer steps of K micro-batches of 64
+    idx = rng.choice(len(x_all), BATCH, replace=False)
+    window = []
+    for i in range(K):
+        params, state, loss = step(params, state, x_all[idx[i::K]], y_all[idx[i::K]])
+        window.append(loss)
+    noise_losses.append(float(np.mean(jax.device_get(window))))
+    history.append(jax.device_get(read_noise(state)))
+b_simple = np.array([h.b_simple for h in history])
+one_window = np.array([h.window_trace_cov / h.window_grad_sq for h in history])
+
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 3.5))
+a1.plot(noise_losses)
+a1.set(yscale="log", xlabel="optimizer step", ylabel="training loss")
+a1.set_title("The loss falls ...")
+a2.plot(one_window, ".", color="0.6", ms=4, label="one window: T / Q")
+a2.plot(b_simple, lw=2, label="B_simple (EMAs of T and Q)")
+a2.axhline(K, ls=":", color="C3", label=f"the batch: {K} micro-batches")
+a2.set(xlabel="optimizer step", ylabel=f"micro-batches (of {BATCH // K} examples)")
+a2.set_ylim(-1, 3 * np.nanmax(b_simple))
+a2.set_title("... and the noise scale B_simple grows")
+for a in (a1, a2):
+    a.grid(alpha=0.3)
+a2.legend(fontsize=8)
+fig.tight_layout()
+plt.show()
+last = float(b_simple[-1])
+examples = last * BATCH / K
+print(f"B_simple after {len(history)} steps: {last:.1f} micro-batches = {examples:.0f} examples")
+print(f"(started at {b_simple[0]:.2f} micro-batches; the batch holds {K})")""",
+  ),
+  (
+    "md",
+    """**How to read it.** Early on the gradient is large against the noise of one micro-batch and
+`B_simple` is small: a small batch already points the right way. As the loss falls, the true
+gradient `|G|²` shrinks faster than the per-example noise `tr Σ`, so `B_simple` grows: the
+critical batch rises during training. While it is below the batch you train with (the dotted
+line), the larger batch wastes examples; once it is well above it, a larger `k` would still buy
+fewer steps — the usual batch-size ramp, which `FollowNoiseScale` can follow for you. The
+smoothed curve is the one to read; the scattered dots are single windows.""",
+  ),
+  (
+    "md",
     """## Token weighting: the mean-of-means pitfall
 
 With padded sequences the loss is a mean over *real* tokens. Averaging the micro-batches'
@@ -415,6 +481,8 @@ assert diff < 1e-6 and abs(float(value - ref_value)) < 1e-6""",
   Use the largest micro-batch that fits.
 * `TrainStep` is the fastest way to accumulate across steps: two compiled programs chosen on
   the host, no device conditional.
+* `noise_scale=True` measures the gradient noise scale `B_simple` for free from the
+  micro-batches: it grows as the loss falls, and tells you when a larger batch would pay off.
 * BatchNorm sees micro-batch statistics under either form (the documentation's Flax guide
   shows both): that is the one place where accumulation is *not* the large batch.""",
   ),

@@ -15,6 +15,9 @@ It prints a table (final training loss, test accuracy, the largest parameter dif
 large batch, the compiled peak memory of each step program from XLA's memory analysis, and the
 time per example) and writes a PNG of the loss curves.
 
+It also prints the gradient noise scale B_simple that `accumulate` measured for free from its
+micro-batches (`optax_accum.noise_scale`), in micro-batches and examples.
+
 The optional dependencies (flax, scikit-learn, tqdm, matplotlib) are imported inside `main`, so
 importing this module never needs them.
 
@@ -60,6 +63,9 @@ class Result:
   temp_bytes: int  # of which temporaries (activations, gradients, ...)
   seconds: float  # wall time of the training loop, compilation excluded
   max_param_diff: float = float("nan")  # vs the large batch
+  # accumulate only: the gradient noise scale B_simple after each optimizer step, in
+  # micro-batches (`optax_accum.noise_scale`; NaN before the first window closed)
+  b_simple: np.ndarray | None = None
 
 
 def load_digits(seed: int = 0, test_fraction: float = 0.2):
@@ -150,7 +156,9 @@ def train(
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
   adam = optax.adam(learning_rate)
-  tx = optax_accum.accumulate(adam, every_k=k) if method == "accumulate" else adam
+  # accumulate keeps the noise-scale statistics too: a few scalars, free from its micro-batches.
+  accumulating = method == "accumulate"
+  tx = optax_accum.accumulate(adam, every_k=k, noise_scale=True) if accumulating else adam
   if method == "microbatch":
     grad_fn = optax_accum.microbatch(jax.value_and_grad(loss_fn), k, batch_argnums=(1, 2))
   else:
@@ -159,13 +167,14 @@ def train(
   def step(params, opt_state, x, y):
     loss, grads = grad_fn(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
+    b_simple = optax_accum.noise_scale(opt_state).b_simple if accumulating else jnp.nan
+    return optax.apply_updates(params, updates), opt_state, (loss, b_simple)
 
   # A copy: the step donates its parameter and optimizer-state buffers.
   params = jax.tree.map(jnp.array, params0)
   opt_state = tx.init(params)
   # Micro-batch i of a batch holds rows i, i+k, i+2k, ... (the strided split `microbatch` uses).
-  micro = [idx[:, i::k] for i in range(k)] if method == "accumulate" else [idx]
+  micro = [idx[:, i::k] for i in range(k)] if accumulating else [idx]
   shape_x = x_train[micro[0][0]]
   shape_y = y_train[micro[0][0]]
   compiled = (
@@ -173,24 +182,30 @@ def train(
   )
   peak, temp = _memory(compiled)
 
-  losses = np.zeros(steps, np.float64)
+  losses, b_simple = np.zeros(steps, np.float64), np.full(steps, np.nan)
   bar = tqdm(range(steps), desc=f"{method:>11}", disable=not progress, leave=True)
   start = time.perf_counter()
   for s in bar:
     step_loss = []
     for rows in micro:
-      params, opt_state, loss = compiled(params, opt_state, x_train[rows[s]], y_train[rows[s]])
+      params, opt_state, (loss, noise) = compiled(
+        params, opt_state, x_train[rows[s]], y_train[rows[s]]
+      )
       step_loss.append(loss)
     # Equal-sized micro-batches: the batch's mean loss is the mean of theirs.
-    losses[s] = float(np.mean(jax.device_get(step_loss)))
+    losses[s], b_simple[s] = float(np.mean(jax.device_get(step_loss))), float(noise)
     if s % 20 == 0 or s == steps - 1:
-      bar.set_postfix(loss=f"{losses[s]:.4f}")
+      postfix = {"B_simple": f"{b_simple[s]:.2f}"} if accumulating else {}
+      bar.set_postfix(loss=f"{losses[s]:.4f}", **postfix)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   bar.close()
 
   final_loss, accuracy = map(float, _evaluate(model, params, x_train, y_train, x_test, y_test))
-  return Result(method, losses, params, final_loss, accuracy, peak, temp, seconds)
+  return Result(
+    method, losses, params, final_loss, accuracy, peak, temp, seconds,
+    b_simple=b_simple if accumulating else None,
+  )  # fmt: skip
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -229,6 +244,30 @@ def format_table(results: Sequence[Result], batch_size: int, k: int) -> str:
     "memory analysis of one step program; time excludes compilation)"
   )
   return "\n".join(lines)
+
+
+def describe_noise(b_simple: np.ndarray, batch_size: int, k: int) -> str:
+  """The line on the gradient noise scale that `accumulate` measured, in micro-batches.
+
+  Args:
+    b_simple: B_simple after each optimizer step, in micro-batches (NaN before it is known).
+    batch_size: examples per optimizer step.
+    k: micro-batches per optimizer step.
+
+  Returns:
+    One line: the last B_simple in micro-batches and in examples, against the batch.
+
+  >>> print(describe_noise(np.array([np.nan, 2.0]), 256, 4))  # doctest: +NORMALIZE_WHITESPACE
+  B_simple (gradient noise scale, accumulate's micro-batches): 2.00 micro-batches of 64
+  = 128 examples at the last step (the batch: 4 micro-batches = 256 examples)
+  """
+  micro = batch_size // k
+  last = float(b_simple[-1])
+  return (
+    f"B_simple (gradient noise scale, accumulate's micro-batches): {last:.2f} micro-batches of "
+    f"{micro} = {last * micro:.0f} examples at the last step (the batch: {k} micro-batches = "
+    f"{batch_size} examples)"
+  )
 
 
 _FLOOR = 1e-10
@@ -343,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> list:
   for r in results:
     r.max_param_diff = _max_diff(r.params, results[0].params)
   print(format_table(results, args.batch_size, args.k))
+  print(describe_noise(results[1].b_simple, args.batch_size, args.k))
   plot(results, args.out, args.batch_size, args.k)
   print(f"loss curves written to {args.out}")
   return results

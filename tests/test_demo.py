@@ -35,6 +35,13 @@ def test_demo_main_three_methods_agree(tmp_path, capsys):
   for r in results:
     assert r.name in table
   assert "µs/example" in table and "peak mem" in table
+  # accumulate measured the gradient noise scale (in micro-batches) and the demo printed it.
+  printed = re.search(r"B_simple \(gradient noise scale.*\): (\S+) micro-batches of 16", table)
+  assert printed, table
+  b_simple = float(printed.group(1))
+  assert np.isfinite(b_simple) and b_simple > 0
+  assert b_simple == pytest.approx(results[1].b_simple[-1], abs=0.005)  # the printed figure
+  assert results[0].b_simple is None and results[2].b_simple is None
 
 
 @pytest.mark.parametrize(
@@ -89,6 +96,13 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   assert (tmp_path / "lm_loss.png").read_bytes()[:4] == b"\x89PNG"
   table = (tmp_path / "results.md").read_text()
   assert all(name in table for name in names) and "tokens/s" in table
+  # TrainStep measured the noise scale in tokens as it trained; the run prints and tables it.
+  b_simple = ours[0].b_simple
+  assert len(b_simple) == len(large.losses) and np.isfinite(b_simple[-1]) and b_simple[-1] > 0
+  assert all(r.b_simple is None for r in results if r is not ours[0])
+  line = re.search(r"B_simple \(gradient noise scale, TrainStep.*\): ([\d,]+) tokens", out)
+  assert line and float(line.group(1).replace(",", "")) == pytest.approx(b_simple[-1], abs=0.5)
+  assert f"{b_simple[-1]:,.0f} tokens" in table
 
 
 @pytest.mark.parametrize(

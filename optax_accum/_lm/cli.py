@@ -12,7 +12,6 @@ from collections.abc import Sequence
 
 import jax
 
-import optax_accum
 from optax_accum._lm import budget, data, methods, model, report, require
 
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
@@ -71,15 +70,23 @@ def corpus(args):
 
 
 def noise_scale_hook(results) -> str | None:
-  """HOOK (noise scale): B_simple in tokens, once `optax_accum.noise_scale` exists.
+  """The line on the gradient noise scale that the `TrainStep` run measured, in tokens.
 
-  The noise-scale estimator is being built separately; until it lands this returns None and the
-  run prints nothing about it. To wire it: estimate B_simple from the TrainStep run's
-  micro-batch gradients and return the line to print (and plot it in `report.plot`).
+  Args:
+    results: the runs; the `TrainStep` one carries ``b_simple`` (None: nothing to say).
+
+  Returns:
+    One line (B_simple at the end in tokens, against the real tokens of one optimizer step's
+    batch), or None when no run measured it.
   """
-  if not hasattr(optax_accum, "noise_scale"):
+  noisy = next((r for r in results if r.b_simple is not None), None)
+  if noisy is None:
     return None
-  return f"B_simple: optax_accum.noise_scale is available ({optax_accum.noise_scale!r}); wire it"
+  per_step = noisy.tokens / len(noisy.losses)
+  return (
+    f"B_simple (gradient noise scale, {noisy.name}, token weights): {noisy.b_simple[-1]:,.0f} "
+    f"tokens at the last step (smoothed over windows); a batch holds {per_step:,.0f} real tokens"
+  )
 
 
 def train_all(args, loss, params0, windows, held_out):
@@ -143,6 +150,8 @@ def write(args, results, plan, k: int, seconds: float) -> None:
     f"{budget.describe(plan, args.batch_size)}.",
     "",
     report.markdown(results),
+    "",
+    f"{noise_scale_hook(results) or 'B_simple: not measured'}. {report.NOISE_NOTE}",
     "",
     f"float32 floor (the large batch with its rows reordered): max |Δθ| {floor:.2e}; "
     f"naive: {naive.max_param_diff:.2e}, final loss {naive.final_loss - results[0].final_loss:+.5f}"

@@ -3,7 +3,8 @@
 * ``large batch``: one `jax.value_and_grad` over the window's k micro-batches concatenated (the
   reference);
 * ``TrainStep``: `optax_accum.TrainStep` with ``weight_fn`` = the micro-batch's real tokens, one
-  jitted micro-step per micro-batch;
+  jitted micro-step per micro-batch; it also measures the gradient noise scale B_simple (in
+  tokens: the weights count them) from its micro-batches, read after each window;
 * ``microbatch``: `optax_accum.microbatch` of the loss's gradient with the same ``weight_fn``, the
   k micro-batches in one jitted step;
 * ``naive``: `optax.MultiSteps`, the plain mean of the k micro-batch means (what a hand loop
@@ -48,6 +49,9 @@ class Result:
   tokens: int  # real tokens trained on
   final_loss: float = float("nan")  # held-out token-mean loss after training
   max_param_diff: float = float("nan")  # vs the large batch
+  # TrainStep only, per optimizer step: the smoothed B_simple and the window's own T/Q, in tokens
+  b_simple: np.ndarray | None = None
+  window_b_simple: np.ndarray | None = None
 
 
 def concat(window: Sequence[dict]) -> dict:
@@ -117,9 +121,20 @@ def large_batch(loss, params, windows, lr, order=1):
   return window_step, params, state, peak
 
 
+NOISY = "TrainStep"  # the run that measures the noise scale
+
+
+def _noise(state) -> tuple[float, float]:
+  """The smoothed B_simple and the last window's T/Q, in tokens, from a `TrainStep` state."""
+  ns = jax.device_get(optax_accum.noise_scale(state))
+  return float(ns.b_simple), float(ns.window_trace_cov / ns.window_grad_sq)
+
+
 def train_step(loss, params, windows, lr):
   """`TrainStep` with token weights: k micro-steps per window."""
-  step = optax_accum.TrainStep(loss, optax.adam(lr), len(windows[0]), weight_fn=model.real_tokens)
+  step = optax_accum.TrainStep(
+    loss, optax.adam(lr), len(windows[0]), weight_fn=model.real_tokens, noise_scale=True
+  )
   state = _commit(step.init(params))
   # The emitting program (gradient, accumulator and Adam's update) is the larger of the two.
   peak = _peak(step.lower(params, state, windows[0][0], emit=True).compile())
@@ -127,6 +142,7 @@ def train_step(loss, params, windows, lr):
   warm_state = _commit(step.init(warm_params))
   for mb in windows[0] * 2:  # compile its programs before the clock starts, on copies
     warm_params, warm_state, _ = step(warm_params, warm_state, mb)
+  _noise(warm_state)  # and the few scalar operations that read the noise scale
 
   return _micro_steps(step), params, state, peak
 
@@ -174,18 +190,25 @@ def train(name: str, loss, params0, windows, lr: float, progress: bool = True) -
   params = _commit(params0)  # a copy: the steps donate their inputs
   window_step, params, state, peak = BUILDERS[name](loss, params, windows, lr)
   losses, reported = np.zeros(len(windows)), np.zeros(len(windows))
+  noise = np.full((len(windows), 2), np.nan)
   bar = tqdm(windows, desc=f"{name:>11}", disable=not progress, leave=True)
   start = time.perf_counter()
   for s, window in enumerate(bar):
     params, state, value, said = window_step(params, state, window)
     losses[s], reported[s] = float(value), float(said)
-    if s % 10 == 0:
-      bar.set_postfix(loss=f"{losses[s]:.3f}")
+    if name == NOISY:
+      noise[s] = _noise(state)
+    if s % 10 == 0 or s == len(windows) - 1:
+      extra = {"B_simple": f"{noise[s, 0]:,.0f} tokens"} if name == NOISY else {}
+      bar.set_postfix(loss=f"{losses[s]:.3f}", **extra)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   bar.close()
   tokens = int(sum(mb["mask"].sum() for window in windows for mb in window))
-  return Result(name, losses, reported, params, peak, seconds, tokens)
+  r = Result(name, losses, reported, params, peak, seconds, tokens)
+  if name == NOISY:
+    r.b_simple, r.window_b_simple = noise[:, 0], noise[:, 1]
+  return r
 
 
 def max_diff(a, b) -> float:

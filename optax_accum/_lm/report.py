@@ -8,7 +8,12 @@ import numpy as np
 
 from optax_accum._lm.methods import FLOOR, Result
 
-_COLUMNS = ("method", "final loss", "max |Δθ| vs large", "tokens/s", "peak memory")
+_COLUMNS = ("method", "final loss", "max |Δθ| vs large", "tokens/s", "peak memory", "B_simple")
+NOISE_NOTE = (
+  "B_simple = tr Σ / |G|², the gradient noise scale (McCandlish et al. 2018), is measured by "
+  "`TrainStep(..., noise_scale=True)` from the token-weighted micro-batches of each window, in "
+  "tokens; it predicts the critical batch and grows as the loss falls"
+)
 
 
 def rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
@@ -20,6 +25,7 @@ def rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
       "0 (reference)" if r is results[0] else f"{r.max_param_diff:.2e}",
       f"{r.tokens / r.seconds:,.0f}",
       f"{r.peak_bytes / 2**20:.1f} MiB" if r.peak_bytes else "n/a",
+      "—" if r.b_simple is None else f"{r.b_simple[-1]:,.0f} tokens",
     )
     for r in results
   ]
@@ -27,7 +33,7 @@ def rows(results: Sequence[Result]) -> list[tuple[str, ...]]:
 
 def table(results: Sequence[Result]) -> str:
   """A fixed-width text table for the terminal."""
-  widths = (24, 12, 20, 12, 13)
+  widths = (24, 12, 20, 12, 13, 16)
   fmt = lambda cells: "".join(  # noqa: E731
     f"{c:<{w}}" if i == 0 else f"{c:>{w}}"
     for i, (c, w) in enumerate(zip(cells, widths, strict=True))
@@ -66,14 +72,44 @@ def _zoom(ax, results, steps, said) -> None:
   inset.grid(alpha=0.3)
 
 
+def _noise_panel(ax, results, steps) -> None:
+  """B_simple in tokens over training (the smoothed curve and each window's own estimate),
+  against the real tokens of one optimizer step's batch."""
+  noisy = next((r for r in results if r.b_simple is not None), None)
+  if noisy is None:
+    ax.set_axis_off()
+    return
+  window, batch = noisy.window_b_simple, noisy.tokens / len(steps)
+  # A window whose Q is not positive (the noise swamps the gradient at this k) has no ratio to
+  # draw on a log scale: counted in the legend instead.
+  shown = np.where(window > 0, window, np.nan)
+  unshown = int(np.sum(~(window > 0)))
+  ax.plot(steps, shown, ".", ms=4, color="0.55",
+          label=f"one window's T / Q ({unshown} with Q ≤ 0 not drawn)")  # fmt: skip
+  ax.plot(steps, noisy.b_simple, "-", lw=2.0, color="C0", label="B_simple (EMAs of T and Q)")
+  ax.axhline(batch, ls=":", color="C3", label="the batch's real tokens")
+  positive = noisy.b_simple[noisy.b_simple > 0]
+  low = min(positive.min(), batch) / 3 if positive.size else batch / 100
+  ax.set_yscale("log")
+  ax.set_ylim(low, 10 * max(positive.max() if positive.size else batch, batch))
+  ax.set(
+    xlabel="optimizer step",
+    ylabel="tokens",
+    title=f"Gradient noise scale, measured by {noisy.name}",
+  )
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+
+
 def plot(results: Sequence[Result], out: str, title: str) -> None:
-  """Loss curves (left) and each run's distance to the large batch's curve (right)."""
+  """Loss curves (left), each run's distance to the large batch's curve (middle), and the
+  gradient noise scale B_simple in tokens that the `TrainStep` run measured (right)."""
   from optax_accum._lm import require  # noqa: PLC0415
 
   matplotlib = require("matplotlib")
   matplotlib.use("Agg")
   plt = require("matplotlib.pyplot")
-  fig, (ax, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.4))
+  fig, (ax, ax_diff, ax_noise) = plt.subplots(1, 3, figsize=(17, 4.4))
   ref = results[0].losses
   steps = np.arange(1, len(ref) + 1)
   for r in results:
@@ -97,6 +133,7 @@ def plot(results: Sequence[Result], out: str, title: str) -> None:
   )
   ax_diff.grid(alpha=0.3)
   ax_diff.legend(fontsize=8)
+  _noise_panel(ax_noise, results, steps)
   fig.tight_layout()
   fig.savefig(out, dpi=120)
   plt.close(fig)

@@ -99,7 +99,7 @@ def _setup(args):
   ds = data.dataset(tokens, mask, rows // pc, seed=args.seed, process_index=pi, process_count=pc)
   step = optax_accum.TrainStep(
     model.loss_fn(graphdef), require("optax").adam(args.lr), k,
-    weight_fn=model.real_tokens, axis_name=AXIS, mesh=mesh,
+    weight_fn=model.real_tokens, axis_name=AXIS, mesh=mesh, noise_scale=True,
   )  # fmt: skip
   params = _replicated(mesh, params0)
   return mesh, step, params, step.init(params), iter(ds), k
