@@ -76,11 +76,6 @@ def _mesh_in_effect() -> str:
   return f"The mesh in effect has axes {tuple(mesh.axis_names)}. "
 
 
-def check_bound(axis_name: AxisName | None, caller: str) -> None:
-  """Raises a clear ValueError if `axis_name` is not bound by an enclosing map."""
-  resolve(axis_name).check_bound(caller)
-
-
 def vma(x: Any) -> frozenset:
   """The mapped axes over which `x` is device-varying (empty outside shard_map or untracked)."""
   if isinstance(x, jax.ShapeDtypeStruct):
@@ -101,7 +96,7 @@ def tracks_variance(axis_name: AxisName) -> bool:
   Raises:
     ValueError: `AXIS_NOT_BOUND`, if no enclosing map binds `axis_name`.
   """
-  check_bound(axis_name, "optax_accum")
+  resolve(axis_name).check_bound("optax_accum")
   return all(a in vma(lax.axis_index(axis_name)) for a in axis_names(axis_name))
 
 
@@ -176,7 +171,16 @@ class Axis(NamedTuple):
   def reduce_window(
     self, sums: Any, total: jax.Array, like: Any, reduction: Reduction
   ) -> tuple[Any, jax.Array]:
-    """The window's global ``(sums, total)``: ONE all-reduce for both (see `reduce_window`)."""
+    """The window's global ``(sums, total)``: ONE all-reduce for both, once per update.
+
+    Leaves whose micro-batch values (`like`) are not device-varying, in a `shard_map` that
+    tracks variance, were already all-reduced by autodiff (see `ALREADY_REDUCED`): every device
+    added the same values with the same weights (`warn_if_reduced` rejects per-device
+    weights), so the global sums and the global weight count them once per device. "mean"
+    divides the two and gets the window mean back (no double reduction); "sum" divides them by
+    the axis size. They still ride in the one all-reduce: only a collective makes a
+    device-varying value invariant again.
+    """
     sums, total = self.reduce((sums, total))
     if reduction == "sum" and tracks_variance(self.name):
       size = 1
@@ -259,44 +263,3 @@ def resolve(axis_name: AxisName | None) -> Axis | NoAxis:
   """The axis object for an ``axis_name`` argument: `NO_AXIS` for None. The one place that
   asks whether there is an axis."""
   return NO_AXIS if axis_name is None else Axis(axis_name)
-
-
-# The same operations for callers holding a name (None: the identity).
-
-
-def to_varying(tree: Any, axis_name: AxisName | None) -> Any:
-  """Marks every JAX-array leaf device-varying over `axis_name` (see `Axis.to_varying`)."""
-  return resolve(axis_name).to_varying(tree)
-
-
-def reduce(tree: Any, axis_name: AxisName | None) -> Any:
-  """Sums every leaf of `tree` over `axis_name` (one fused all-reduce); identity for None.
-
-  Prefer `reduce_window` for an accumulator: it knows what to do with values that autodiff
-  already reduced.
-  """
-  return resolve(axis_name).reduce(tree)
-
-
-def reduce_window(
-  sums: Any, total: jax.Array, like: Any, axis_name: AxisName | None, reduction: Reduction
-) -> tuple[Any, jax.Array]:
-  """The window's global ``(sums, total)``: ONE all-reduce over `axis_name` for both.
-
-  Call it once per update, right before `_core.normalise`; identity when `axis_name` is None.
-
-  Leaves whose micro-batch values (`like`) are not device-varying, in a `shard_map` that tracks
-  variance, were already all-reduced by autodiff (see `ALREADY_REDUCED`): every device added
-  the same values with the same weights (`warn_if_reduced` rejects per-device weights), so the
-  global sums count them once per device, and so does the global weight. "mean" divides the
-  two and gets the window mean of those values back, as without `axis_name` (no double
-  reduction); "sum" divides them by the axis size. They still ride in the one all-reduce: the
-  sums are per-device (device-varying) state, and only a collective makes a device-varying
-  value invariant again.
-  """
-  return resolve(axis_name).reduce_window(sums, total, like, reduction)
-
-
-def warn_if_reduced(tree: Any, weight: Any, axis_name: AxisName | None, caller: str) -> None:
-  """Warns (or raises, when it would be wrong) about gradients autodiff already all-reduced."""
-  resolve(axis_name).warn_if_reduced(tree, weight, caller, stacklevel=5)

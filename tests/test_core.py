@@ -252,12 +252,13 @@ def test_check_weight_rejects(weight, error, match):
 
 def test_axis_helpers_without_axis_are_identities():
   tree = {"a": np.ones(2, np.float32)}
-  _collectives.check_bound(None, "f")
-  assert _collectives.reduce(tree, None) is tree
-  assert _collectives.reduce_window(tree, 1.0, tree, None, "mean") == (tree, 1.0)
-  assert _collectives.to_varying(tree, None) is tree
+  axis = _collectives.resolve(None)
+  axis.check_bound("f")
+  assert axis.reduce(tree) is tree
+  assert axis.reduce_window(tree, 1.0, tree, "mean") == (tree, 1.0)
+  assert axis.to_varying(tree) is tree
 
 
 def test_check_axis_unbound_names_the_axis():
   with pytest.raises(ValueError, match=r"f: axis_name='batch' is not bound here"):
-    _collectives.check_bound("batch", "f")
+    _collectives.resolve("batch").check_bound("f")
