@@ -1,0 +1,166 @@
+"""Accounting: ε of Poisson-sampled DP-SGD with Google's ``dp-accounting`` (RDP or PLD).
+
+One event per *update*: ``SelfComposed(PoissonSampled(q, Gaussian(σ)), updates)``. The count
+comes from `dp_updates(state)`, so micro-steps are never counted as steps (the mistake of
+several libraries once accumulation is on). ``dp-accounting`` is the ``dp`` extra
+(``pip install optax-accum[dp]``); it is imported when an accountant is first asked.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import numpy as np
+
+Accountant = Literal["rdp", "pld"]
+
+NO_DP_ACCOUNTING = (
+  "{caller} needs Google's dp-accounting package: pip install 'optax-accum[dp]' (or "
+  "pip install dp-accounting)."
+)
+
+
+def _dp_accounting(caller: str) -> Any:
+  try:
+    import dp_accounting
+  except ImportError as e:  # an optional dependency: say how to install it
+    raise ImportError(NO_DP_ACCOUNTING.format(caller=caller)) from e
+  return dp_accounting
+
+
+def _number(value: Any, name: str, caller: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number | np.ndarray):
+    raise TypeError(f"{caller}: {name} must be a number, got {value!r}.")
+  return float(value)
+
+
+def _check(
+  caller: str, num_updates: Any, sampling_rate: Any, delta: Any
+) -> tuple[int, float, float]:
+  value = np.asarray(num_updates)  # a device count from `dp_updates` is welcome
+  if value.shape != () or not np.issubdtype(value.dtype, np.integer) or value < 0:
+    raise ValueError(f"{caller}: num_updates must be an int >= 0, got {num_updates!r}.")
+  q = _number(sampling_rate, "sampling_rate", caller)
+  if not 0 < q <= 1:
+    raise ValueError(
+      f"{caller}: sampling_rate must be in (0, 1] (q = expected batch size / data set size), "
+      f"got {sampling_rate!r}."
+    )
+  d = _number(delta, "delta", caller)
+  if not 0 < d < 1:
+    raise ValueError(f"{caller}: delta must be in (0, 1), got {delta!r}.")
+  return int(value), q, d
+
+
+def _accountant(dp_accounting: Any, accountant: Any, caller: str) -> Any:
+  if accountant == "rdp":
+    return dp_accounting.rdp.RdpAccountant()
+  if accountant == "pld":
+    return dp_accounting.pld.PLDAccountant()
+  raise ValueError(f"{caller}: accountant must be 'rdp' or 'pld', got {accountant!r}.")
+
+
+def dp_event(num_updates: int, sampling_rate: float, noise_multiplier: float) -> Any:
+  """The ``dp_accounting`` event of `num_updates` Poisson-sampled Gaussian updates."""
+  dp_accounting = _dp_accounting("dp_event")
+  step = dp_accounting.PoissonSampledDpEvent(
+    sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier)
+  )
+  return dp_accounting.SelfComposedDpEvent(step, num_updates)
+
+
+def dp_epsilon(
+  num_updates: int,
+  sampling_rate: float,
+  noise_multiplier: float,
+  delta: float,
+  *,
+  accountant: Accountant = "rdp",
+) -> float:
+  """ε of DP-SGD after `num_updates` updates with Poisson sampling rate ``q`` and noise σ.
+
+  Add-or-remove-one adjacency, one Poisson-sampled Gaussian event per update. Count updates,
+  not micro-steps: pass `dp_updates(state)`.
+
+  Args:
+    num_updates: the number of noisy updates (an int >= 0, or `dp_updates`'s scalar).
+    sampling_rate: ``q = B / N``, each example's probability of being in a logical batch.
+    noise_multiplier: σ >= 0 (the noise std is σ·C; 0 gives ε = inf).
+    delta: δ in (0, 1), e.g. below 1/N.
+    accountant: ``"rdp"`` (Rényi DP, fast, slightly loose) or ``"pld"`` (privacy loss
+      distributions, tighter, slower).
+
+  Returns:
+    ε, a Python float (0.0 for no updates, inf for σ = 0 with updates).
+
+  Raises:
+    TypeError, ValueError: for arguments out of range (naming the argument) or an unknown
+      accountant; ImportError: without ``dp-accounting`` (``pip install optax-accum[dp]``).
+
+  >>> import optax_accum
+  >>> eps = optax_accum.dp_epsilon(1000, 0.01, 1.1, 1e-5)
+  >>> 1.0 < eps < 3.0
+  True
+  """
+  n, q, d = _check("dp_epsilon", num_updates, sampling_rate, delta)
+  sigma = _number(noise_multiplier, "noise_multiplier", "dp_epsilon")
+  if not (np.isfinite(sigma) and sigma >= 0):
+    raise ValueError(f"dp_epsilon: noise_multiplier must be >= 0, got {noise_multiplier!r}.")
+  dp_accounting = _dp_accounting("dp_epsilon")
+  acc = _accountant(dp_accounting, accountant, "dp_epsilon")
+  if n == 0:
+    return 0.0
+  if sigma == 0:
+    return math.inf
+  acc.compose(dp_event(n, q, sigma))
+  return float(acc.get_epsilon(d))
+
+
+def dp_noise_multiplier(
+  target_epsilon: float,
+  num_updates: int,
+  sampling_rate: float,
+  delta: float,
+  *,
+  accountant: Accountant = "rdp",
+) -> float:
+  """The smallest σ whose `dp_epsilon` after `num_updates` updates is at most `target_epsilon`.
+
+  ``dp_accounting.calibrate_dp_mechanism`` (a bracketed search) with the same event as
+  `dp_epsilon`.
+
+  Args:
+    target_epsilon: the ε to reach, > 0.
+    num_updates: as for `dp_epsilon` (>= 1 here).
+    sampling_rate: as for `dp_epsilon`.
+    delta: as for `dp_epsilon`.
+    accountant: as for `dp_epsilon`.
+
+  Returns:
+    σ, a Python float with ``dp_epsilon(num_updates, q, σ, δ) <= target_epsilon``.
+
+  Raises:
+    TypeError, ValueError: for arguments out of range; ImportError: without ``dp-accounting``.
+
+  >>> import optax_accum
+  >>> sigma = optax_accum.dp_noise_multiplier(2.0, 1000, 0.01, 1e-5)
+  >>> optax_accum.dp_epsilon(1000, 0.01, sigma, 1e-5) <= 2.0
+  True
+  """
+  n, q, d = _check("dp_noise_multiplier", num_updates, sampling_rate, delta)
+  eps = _number(target_epsilon, "target_epsilon", "dp_noise_multiplier")
+  if not (np.isfinite(eps) and eps > 0):
+    raise ValueError(f"dp_noise_multiplier: target_epsilon must be > 0, got {target_epsilon!r}.")
+  if n < 1:
+    raise ValueError(f"dp_noise_multiplier: num_updates must be >= 1, got {num_updates!r}.")
+  dp_accounting = _dp_accounting("dp_noise_multiplier")
+  _accountant(dp_accounting, accountant, "dp_noise_multiplier")  # checks the name first
+  sigma = dp_accounting.calibrate_dp_mechanism(
+    lambda: _accountant(dp_accounting, accountant, "dp_noise_multiplier"),
+    lambda s: dp_event(n, q, s),
+    eps,
+    d,
+    bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
+  )
+  return float(sigma)

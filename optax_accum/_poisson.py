@@ -1,0 +1,157 @@
+"""Poisson sampling on the host: logical batches of variable size, padded to fixed shapes.
+
+Each example of ``range(N)`` enters logical batch ``t`` independently with probability ``q``
+(the sampling the accountant assumes). Batch ``t`` is a pure function of ``(seed, t)``, so a
+run is reproducible, and resuming at step ``t`` needs only ``t``. The sampled indices are
+padded to whole micro-batches (and, for one compiled step, to a fixed number of them) with a
+mask: padding rows repeat a real index and have mask 0, so `clipped_grad` gives them exactly 0.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from optax_accum._typing import SPLITS, Split
+
+TOO_LARGE = (
+  "PoissonSampler: logical batch {step} drew {n} examples, more than max_microbatches={m} "
+  "micro-batches of {b} hold ({cap}). Dropping examples would silently break the privacy "
+  "accounting (which assumes every sampled example is used), so this is an error. The "
+  "expected size is {mean:.1f} (std {std:.1f}); choose max_microbatches so that "
+  "max_microbatches * microbatch_size is at least the mean + 6 std, e.g. max_microbatches={hint}."
+)
+
+
+def _positive_int(value: Any, name: str) -> int:
+  if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+    raise ValueError(f"PoissonSampler: {name} must be a positive int, got {value!r}.")
+  return int(value)
+
+
+class PoissonBatch(NamedTuple):
+  """One Poisson-sampled logical batch, padded to whole micro-batches."""
+
+  step: int  # which logical batch (the update it feeds)
+  indices: np.ndarray  # (num_microbatches * microbatch_size,) int64 example indices
+  mask: np.ndarray  # same shape, bool: True for sampled examples, False for padding
+  num_real: int  # the sampled examples (the realised batch size; not public)
+  num_microbatches: int  # micro-batches holding real examples (at least 1)
+
+
+class PoissonSampler:
+  """Poisson-sampled logical batches of ``range(num_examples)``: seeded, reproducible, resumable.
+
+  Every example is in logical batch ``t`` with probability `sampling_rate`, independently
+  (``numpy.random.default_rng((seed, t))``), so batch ``t`` depends on nothing but the seed
+  and ``t``. The indices are padded with masked rows to whole micro-batches:
+
+  * across steps (`TrainStep`/`accumulate`): ``num_microbatches`` micro-steps per logical
+    batch, the window length decided on the host (``force_emit`` on the last), nothing
+    recompiled per size;
+  * in one step (`microbatch`): give `max_microbatches` and every batch has
+    ``max_microbatches * microbatch_size`` rows (one shape, one compilation), with
+    ``num_real_microbatches = num_microbatches`` micro-batches to run.
+
+  An empty draw still gives one (all-padding) micro-batch: the update must happen, with its
+  noise, whatever was sampled.
+
+  Args:
+    num_examples: ``N``, the data set size.
+    sampling_rate: ``q`` in (0, 1]; the expected batch size is ``q·N``.
+    microbatch_size: rows per micro-batch ``b``.
+    seed: an int; the run's sampling is a function of it alone.
+    max_microbatches: pad every batch to this many micro-batches (fixed shapes). A draw
+      larger than that raises (truncating would break the accounting). None: pad to
+      the batch's own whole micro-batches.
+    split: how the rows are laid out for `microbatch`'s `split` with
+      ``num_real_microbatches``: "contiguous" (micro-batch ``i`` is rows ``i·b … i·b+b-1``;
+      also what a host loop slicing micro-batches one by one wants) or "strided" (micro-batch
+      ``i`` is rows ``i, i+k, …`` with ``k = max_microbatches``). Either way the real examples
+      sit in the first ``num_microbatches`` micro-batches.
+    start: the first logical batch iteration yields (resume at ``start``).
+
+  Raises:
+    ValueError: for sizes that are not positive ints, a rate outside (0, 1], or (when
+      sampling) a draw larger than `max_microbatches` micro-batches hold.
+
+  >>> import optax_accum
+  >>> s = optax_accum.PoissonSampler(1000, 0.1, 32, seed=0, max_microbatches=6)
+  >>> b = s.batch(3)
+  >>> b.indices.shape, int(b.mask.sum()) == b.num_real, (s.batch(3).indices == b.indices).all()
+  ((192,), True, np.True_)
+  """
+
+  def __init__(
+    self,
+    num_examples: int,
+    sampling_rate: float,
+    microbatch_size: int,
+    *,
+    seed: int,
+    max_microbatches: int | None = None,
+    split: Split = "contiguous",
+    start: int = 0,
+  ):
+    self.num_examples = _positive_int(num_examples, "num_examples")
+    self.microbatch_size = _positive_int(microbatch_size, "microbatch_size")
+    if isinstance(sampling_rate, bool) or not 0 < float(sampling_rate) <= 1:
+      raise ValueError(f"PoissonSampler: sampling_rate must be in (0, 1], got {sampling_rate!r}.")
+    self.sampling_rate = float(sampling_rate)
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+      raise ValueError(f"PoissonSampler: seed must be an int >= 0, got {seed!r}.")
+    self.seed = int(seed)
+    if max_microbatches is not None:
+      max_microbatches = _positive_int(max_microbatches, "max_microbatches")
+    self.max_microbatches = max_microbatches
+    if split not in SPLITS:
+      raise ValueError(f"PoissonSampler: split must be one of {SPLITS}, got {split!r}.")
+    self.split = split
+    if isinstance(start, bool) or not isinstance(start, int | np.integer) or start < 0:
+      raise ValueError(f"PoissonSampler: start must be an int >= 0, got {start!r}.")
+    self.step = int(start)
+
+  @property
+  def expected_batch_size(self) -> float:
+    """``q·N``: the public divisor of `dp_noise`."""
+    return self.sampling_rate * self.num_examples
+
+  def batch(self, step: int) -> PoissonBatch:
+    """Logical batch `step` (a pure function of the seed and `step`)."""
+    rng = np.random.default_rng((self.seed, int(step)))
+    sampled = np.flatnonzero(rng.random(self.num_examples) < self.sampling_rate)
+    n, b = sampled.size, self.microbatch_size
+    mbs = max(1, math.ceil(n / b))
+    rows = mbs * b
+    if self.max_microbatches is not None:
+      if mbs > self.max_microbatches:
+        raise ValueError(self._too_large(step, n))
+      rows = self.max_microbatches * b
+    # Where the j-th sampled example goes: micro-batch j // b, row j % b of it.
+    # "strided": micro-batch i holds rows i, i + k, i + 2k, ... (`microbatch`'s split).
+    j = np.arange(n)
+    where = (j % b) * (rows // b) + j // b if self.split == "strided" else j
+    indices = np.zeros(rows, np.int64)  # padding repeats example 0, masked out
+    indices[where] = sampled
+    mask = np.zeros(rows, bool)
+    mask[where] = True
+    return PoissonBatch(int(step), indices, mask, int(n), mbs)
+
+  def _too_large(self, step: int, n: int) -> str:
+    q, big_n, b = self.sampling_rate, self.num_examples, self.microbatch_size
+    mean, std = q * big_n, math.sqrt(big_n * q * (1 - q))
+    return TOO_LARGE.format(
+      step=step, n=n, m=self.max_microbatches, b=b, cap=self.max_microbatches * b, mean=mean,
+      std=std, hint=math.ceil((mean + 6 * std) / b),
+    )  # fmt: skip
+
+  def __iter__(self) -> Iterator[PoissonBatch]:
+    return self
+
+  def __next__(self) -> PoissonBatch:
+    batch = self.batch(self.step)
+    self.step += 1
+    return batch

@@ -1,0 +1,196 @@
+"""The noise step of DP-SGD: ``(Σ clipped gradients + σ·C·ξ) / B``, once per update.
+
+`dp_noise` is an optax transformation. Placed first in the inner chain of
+`accumulate(..., reduction="sum")` or `TrainStep(..., reduction="sum")` it runs once per window
+(the inner update runs only on the emitting step), after the window's one all-reduce, so the
+noise is drawn once per logical batch however many micro-steps and devices made the sum; used
+after an in-step `microbatch(clipped_grad(...), k, reduction="sum")` it runs once per step.
+The noise key is ``fold_in(key, count)`` with ``count`` the transformation's own update count
+(its state): never reused between updates, identical on every device (the key and the count
+are replicated), and the count is what the accountant must be given (`dp_updates`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+KEY_REUSED = (
+  "dp_noise: this key (data {data}) was already given to another dp_noise that is still "
+  "alive. Two noise streams from one key draw the same noise: releasing both (two runs, two "
+  "optimizers of one run) gives an adversary the difference of the updates without noise. "
+  "Derive a fresh key for each run, e.g. `jax.random.fold_in(key, run_id)` or "
+  "`jax.random.split(key)`. If this is the same run rebuilt (e.g. to resume from a checkpoint "
+  "that restores the update count, so the stream continues rather than restarts), pass "
+  "allow_key_reuse=True."
+)
+
+# Keys given to live dp_noise transformations: key data bytes -> a weak reference to the
+# transformation's init function (the transformation, a NamedTuple, cannot be referenced weakly).
+_KEYS: dict[bytes, weakref.ref] = {}
+
+
+class DPNoiseState(NamedTuple):
+  """`dp_noise`'s state: its update count (the accountant's) and its key."""
+
+  count: jax.Array  # shape=(), dtype=jnp.int32: noisy updates made so far
+  key: jax.Array  # shape=(2,), dtype=jnp.uint32: the raw key data noise is drawn from
+
+
+def _check_number(value: Any, name: str, *, positive: bool) -> float:
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    raise TypeError(f"dp_noise: {name} must be a number, got {value!r}.")
+  ok = value > 0 if positive else value >= 0
+  if not (np.isfinite(value) and ok):
+    need = "a positive finite number" if positive else "a finite number >= 0"
+    raise ValueError(f"dp_noise: {name} must be {need}, got {value!r}.")
+  return float(value)
+
+
+def _key_data(key: Any) -> jax.Array:
+  """The raw uint32 data of a single PRNG key (typed or legacy), else a clear error."""
+  if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"dp_noise: key must be a single PRNG key, got keys of shape {key.shape}.")
+    return jax.random.key_data(key)
+  arr = key if isinstance(key, jax.Array) else np.asarray(key) if key is not None else None
+  if arr is None or arr.dtype != np.uint32 or arr.shape != (2,):
+    what = f"{arr.dtype}{list(arr.shape)}" if hasattr(arr, "dtype") else repr(key)
+    raise TypeError(
+      f"dp_noise: key must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
+      f"got {what}."
+    )
+  return jnp.asarray(arr)
+
+
+def _claim(data: jax.Array, owner: Any, allow: bool) -> None:
+  """Records the key as in use; raises if a live dp_noise already holds it."""
+  if isinstance(data, jax.core.Tracer):
+    return  # built under a transformation: the key has no value to compare
+  fingerprint = np.asarray(data).tobytes()
+  held = _KEYS.get(fingerprint)
+  if held is not None and held() is not None and not allow:
+    raise ValueError(KEY_REUSED.format(data=np.asarray(data).tolist()))
+  _KEYS[fingerprint] = weakref.ref(owner)
+
+
+def _noise(tree: Any, key: jax.Array, stddev: float) -> Any:
+  """``stddev · ξ`` with ξ ~ N(0, I) shaped like `tree`, float32, one key per leaf."""
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(key, len(leaves))
+  noise = [
+    stddev * jax.random.normal(k, jnp.shape(x), jnp.float32)
+    for k, x in zip(keys, leaves, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, noise)
+
+
+def dp_noise(
+  noise_multiplier: float,
+  l2_clip: float,
+  expected_batch_size: float,
+  key: Any,
+  *,
+  allow_key_reuse: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """The Gaussian mechanism of DP-SGD: ``update = (g + σ·C·ξ) / B``, ξ ~ N(0, I).
+
+  `g` is the sum of clipped per-example gradients over one logical batch (`clipped_grad`,
+  `clipped_loss`). The noise is drawn from ``fold_in(key, count)``, ``count`` being this
+  transformation's own update count, so each update gets fresh noise and a resumed run
+  continues the stream. Divide by the public *expected* batch size ``B = q·N`` (Poisson
+  sampling), not the realised one: the realised size depends on the data set, and dividing by
+  it would leak it (the accounting of DP-SGD assumes a fixed divisor).
+
+  Where to put it: first in the inner chain of `accumulate(..., reduction="sum")` or
+  `TrainStep(..., reduction="sum")` (it runs once per window, after the one all-reduce), or
+  after an in-step ``microbatch(clipped_grad(loss, C), k, reduction="sum")``. Then any optax
+  optimizer (post-processing keeps the guarantee). Give the accountant `dp_updates(state)`.
+
+  Args:
+    noise_multiplier: σ >= 0 (0: no noise, for testing; not private).
+    l2_clip: C > 0, the clip norm used by `clipped_grad`.
+    expected_batch_size: B > 0, the public expected size of a logical batch.
+    key: a PRNG key (``jax.random.key(seed)`` or the legacy ``PRNGKey``), used for nothing
+      else; each run needs its own.
+    allow_key_reuse: allow a key that another live `dp_noise` holds (the same run rebuilt to
+      resume from a checkpoint that restores the count). Otherwise that is an error.
+
+  Returns:
+    An optax `GradientTransformationExtraArgs` with `DPNoiseState`. Updates keep the
+    gradients' dtypes (the noise is added in float32).
+
+  Raises:
+    TypeError, ValueError: for σ < 0, C <= 0, B <= 0 (or non-finite ones), a key that is not
+      a single PRNG key, or a key already held by another live `dp_noise`.
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> tx = optax_accum.dp_noise(0.0, 1.0, 4.0, jax.random.key(0))
+  >>> updates, state = tx.update(jnp.array([2.0, 4.0]), tx.init(jnp.zeros(2)))
+  >>> updates, int(optax_accum.dp_updates(state))
+  (Array([0.5, 1. ], dtype=float32), 1)
+  """
+  sigma = _check_number(noise_multiplier, "noise_multiplier", positive=False)
+  clip = _check_number(l2_clip, "l2_clip", positive=True)
+  batch = _check_number(expected_batch_size, "expected_batch_size", positive=True)
+  data = _key_data(key)
+  stddev = sigma * clip
+
+  def init_fn(params: Any) -> DPNoiseState:
+    del params
+    return DPNoiseState(jnp.zeros((), jnp.int32), jnp.asarray(data, jnp.uint32))
+
+  def update_fn(updates: Any, state: DPNoiseState, params: Any = None, **extra_args: Any):
+    del params, extra_args
+    total = jax.tree.map(lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)), updates)
+    if stddev > 0:  # σ = 0 draws nothing: the update is exactly the clipped sum / B
+      key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
+      total = jax.tree.map(lambda g, z: g + z, total, _noise(total, key, stddev))
+    new = jax.tree.map(lambda t, g: (t / batch).astype(g.dtype), total, updates)
+    return new, DPNoiseState(optax.safe_increment(state.count), state.key)
+
+  _claim(data, init_fn, allow_key_reuse)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dp_updates(state: Any) -> jax.Array:
+  """The number of noisy updates `dp_noise` made: the count to give the accountant.
+
+  Finds the one `DPNoiseState` anywhere in an optimizer state (inside `accumulate`,
+  `optax.chain`, `inject_hyperparams`, ...). Micro-steps are never counted: inside
+  `accumulate`/`TrainStep` the noise step runs once per window.
+
+  Args:
+    state: an optimizer state that holds exactly one `DPNoiseState`.
+
+  Returns:
+    The count, an int32 scalar array.
+
+  Raises:
+    ValueError: if the state holds no `DPNoiseState`, or more than one.
+
+  >>> import jax, jax.numpy as jnp, optax, optax_accum
+  >>> tx = optax_accum.accumulate(
+  ...   optax.chain(optax_accum.dp_noise(0.0, 1.0, 8.0, jax.random.key(1)), optax.sgd(0.1)),
+  ...   4, reduction="sum")
+  >>> state = tx.init(jnp.zeros(2))
+  >>> for _ in range(8):
+  ...   _, state = tx.update(jnp.ones(2), state)
+  >>> int(optax_accum.dp_updates(state))  # 8 micro-steps, 2 updates
+  2
+  """
+  found = [
+    x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, DPNoiseState))
+    if isinstance(x, DPNoiseState)
+  ]  # fmt: skip
+  if len(found) != 1:
+    raise ValueError(
+      f"dp_updates: the state must hold exactly one DPNoiseState (from dp_noise), found "
+      f"{len(found)}."
+    )
+  return found[0].count
