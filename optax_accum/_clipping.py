@@ -77,15 +77,16 @@ def _argnums(batch_argnums: Any, mask_argnum: Any) -> tuple[tuple[int, ...], int
 
 
 def _batch_size(args: Sequence[Any], nums: tuple[int, ...]) -> int:
-  """The examples' count: every leaf of every batch argument has it as its leading size."""
-  if max(nums) >= len(args):
+  """The examples' count: every leaf of every batch argument has it as its leading size.
+  `nums` are positions in the loss's arguments; `args` its arguments after the parameters."""
+  if max(nums) > len(args):
     raise ValueError(
       NO_BATCH.format(what=f"batch_argnums={nums}, but the loss got {len(args) + 1} arguments")
     )
   sizes = {}
   for n in nums:
-    for path, leaf in jax.tree_util.tree_leaves_with_path(args[n]):
-      where = f"argument {n + 1}{jax.tree_util.keystr(path)}"
+    for path, leaf in jax.tree_util.tree_leaves_with_path(args[n - 1]):
+      where = f"argument {n}{jax.tree_util.keystr(path)}"
       sizes[where] = jnp.shape(leaf)[0] if jnp.ndim(leaf) else None
   if not sizes:
     raise ValueError(NO_BATCH.format(what=f"the batch arguments {nums} hold no arrays"))
@@ -131,7 +132,7 @@ def clipped_sum(loss, l2_clip: float, nums, mask_argnum, params, args) -> tuple[
   arguments after the parameters, with the mask (if any) still at `mask_argnum`."""
   args = list(args)
   mask = args.pop(mask_argnum - 1) if mask_argnum is not None else None
-  size = _batch_size(args, tuple(n - 1 for n in nums))
+  size = _batch_size(args, nums)
   real = _real(mask, size)
   in_axes = (None, 0, *[0 if n + 1 in nums else None for n in range(len(args))])
   one = _one_example(loss, nums, l2_clip)
