@@ -58,9 +58,9 @@ def _key_data(key: Any) -> jax.Array:
     if key.shape != ():
       raise ValueError(f"dp_noise: key must be a single PRNG key, got keys of shape {key.shape}.")
     return jax.random.key_data(key)
-  arr = key if isinstance(key, jax.Array) else np.asarray(key) if key is not None else None
+  arr = key if isinstance(key, jax.Array | np.ndarray) else None
   if arr is None or arr.dtype != np.uint32 or arr.shape != (2,):
-    what = f"{arr.dtype}{list(arr.shape)}" if hasattr(arr, "dtype") else repr(key)
+    what = repr(key) if arr is None else f"{arr.dtype}{list(arr.shape)}"
     raise TypeError(
       f"dp_noise: key must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
       f"got {what}."

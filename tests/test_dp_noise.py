@@ -1,0 +1,414 @@
+"""DP-SGD with virtual batches: ĝ = (Σ clip_C(∇ℓᵢ) + σ·C·ξ) / B, noise once per update.
+
+σ = 0: every split (in one step, across steps, TrainStep, devices) equals the independent
+per-example float64 reference Σ clip_C(gᵢ) / B (`test_dp_clipping.reference_sum`) to 2e-6 of
+its scale. σ > 0: the noise's statistics over 2,000 seeds, its sameness across devices, and the
+number of random-number draws in the compiled programs.
+"""
+
+import re
+
+import _reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+from test_dp_clipping import assert_close, median_norm, reference_sum
+
+import optax_accum as oa
+from optax_accum import _hlo
+
+N = 64  # one logical batch; B = N (fixed batches)
+AX = ref.AXIS
+
+
+@pytest.fixture(scope="module")
+def problem():
+  params, batch = ref.mlp_params(0), ref.regression_data(1, N)
+  clip = median_norm(params, batch)
+  expected = jax.tree.map(lambda v: v / N, reference_sum(params, batch, clip))
+  return params, batch, clip, expected
+
+
+_SEEDS = iter(range(10_000, 1_000_000))
+
+
+def noise(sigma, clip, batch_size=N):
+  """A dp_noise with a fresh key (each test its own stream)."""
+  return oa.dp_noise(sigma, clip, float(batch_size), jax.random.key(next(_SEEDS)))
+
+
+def micro_batches(batch, k):
+  size = len(batch["x"]) // k
+  return [jax.tree.map(lambda v, i=i: v[i * size : (i + 1) * size], batch) for i in range(k)]
+
+
+# ----------------------------------------------------------------------------------------------
+# σ = 0: exact against the reference.
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_dp_noise_sigma_zero_in_one_step_matches_reference(problem, k):
+  params, batch, clip, expected = problem
+  tx = noise(0.0, clip)
+  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+
+  @jax.jit
+  def step(params, state, batch):
+    return tx.update(summed(params, batch), state, params)
+
+  updates, state = step(params, tx.init(params), batch)
+  assert_close(updates, expected)
+  assert int(oa.dp_updates(state)) == 1
+
+
+@pytest.mark.parametrize("k", [2, 8])
+def test_dp_noise_sigma_zero_across_steps_matches_reference(problem, k):
+  params, batch, clip, expected = problem
+  tx = oa.accumulate(noise(0.0, clip), k, reduction="sum")
+  grad = jax.jit(jax.grad(oa.clipped_loss(ref.mlp_loss, clip)))
+  state = tx.init(params)
+  update = jax.jit(tx.update)
+  for i, mb in enumerate(micro_batches(batch, k)):
+    updates, state = update(grad(params, mb), state, params)
+    assert bool(oa.has_updated(state)) == (i == k - 1)
+  assert_close(updates, expected)
+  assert int(oa.dp_updates(state)) == 1
+
+
+def test_dp_noise_sigma_zero_train_step_matches_reference(problem):
+  params, batch, clip, expected = problem
+  inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
+  step = oa.TrainStep(oa.clipped_loss(ref.mlp_loss, clip), inner, every_k=4, reduction="sum")
+  state, new = step.init(params), params
+  for mb in micro_batches(batch, 4):
+    new, state, _ = step(new, state, mb)
+  moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, params, new)
+  assert_close(moved, expected, rtol=1e-5)  # through p - (p - ĝ): float32 rounding of p
+  assert int(oa.dp_updates(state)) == 1
+
+
+def _shard_map_run(params, batches, mesh, clip, k, sigma=0.0, key_seed=None):
+  """accumulate(dp_noise, k, axis_name) inside shard_map: the emitted update of one window,
+  per device (stacked along the axis, so that devices can be compared)."""
+  key = jax.random.key(next(_SEEDS) if key_seed is None else key_seed)
+  tx = oa.accumulate(oa.dp_noise(sigma, clip, float(N), key), k, reduction="sum", axis_name=AX)
+  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+
+  def micro(params, state, batch):
+    updates, state = tx.update(grad(lax.pcast(params, AX, to="varying"), batch), state, params)
+    per_device = jax.tree.map(lambda u: lax.pcast(u, AX, to="varying")[None], updates)
+    return per_device, state
+
+  pspec = jax.tree.map(lambda _: P(), params)
+  sspec = oa.state_partition_specs(tx, pspec, AX)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspec,), out_specs=sspec))
+  step = jax.jit(
+    jax.shard_map(micro, mesh=mesh, in_specs=(pspec, sspec, P(AX)), out_specs=(P(AX), sspec))
+  )
+  p = ref.shard(params, mesh, P())
+  state = init(p)
+  for mb in batches:
+    updates, state = step(p, state, ref.shard(mb, mesh, P(AX)))
+  return jax.tree.map(np.asarray, updates), state
+
+
+def test_dp_noise_two_devices_times_k_equals_one_device_times_2k(problem):
+  params, batch, clip, expected = problem
+  k = 4
+  two = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
+  one = jax.make_mesh((1,), (AX,), devices=jax.devices()[:1])
+  per_device, _ = _shard_map_run(params, micro_batches(batch, k), two, clip, k)
+  single, state = _shard_map_run(params, micro_batches(batch, 2 * k), one, clip, 2 * k)
+  for d in range(2):
+    assert_close(jax.tree.map(lambda u, d=d: u[d], per_device), expected)
+  assert_close(jax.tree.map(lambda u: u[0], single), expected)
+  assert_close(jax.tree.map(lambda u: u[0], per_device), jax.tree.map(lambda u: u[0], single))
+
+
+def test_dp_noise_in_step_microbatch_across_devices_matches_reference(problem):
+  params, batch, clip, expected = problem
+  mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
+  tx = noise(0.0, clip)
+  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), 4, reduction="sum", axis_name=AX)
+
+  def step(params, state, batch):
+    return tx.update(summed(params, batch), state, params)
+
+  pspec = jax.tree.map(lambda _: P(), params)
+  f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(pspec, P(), P(AX)), out_specs=(pspec, P())))
+  updates, _ = f(ref.shard(params, mesh, P()), tx.init(params), ref.shard(batch, mesh, P(AX)))
+  assert_close(updates, expected)
+
+
+def test_dp_noise_train_step_data_parallel_matches_reference(problem):
+  params, batch, clip, expected = problem
+  mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
+  inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
+  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
+  state, new = step.init(params), params
+  for mb in micro_batches(batch, 2):
+    new, state, _ = step(new, state, mb)
+  moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b), params, new)
+  assert_close(moved, expected, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# σ > 0: the noise.
+
+SEEDS = 2000
+SIGMA = 1.3
+K = 16  # micro-steps per update
+
+
+def _noisy_runs(params, batch, clip, sigma):
+  """Two updates (windows of K micro-steps) for each of SEEDS keys, vmapped over the keys."""
+  tx = oa.accumulate(oa.dp_noise(sigma, clip, float(N), jax.random.key(7)), K, reduction="sum")
+  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+  stacked = jax.tree.map(lambda v: v.reshape(K, N // K, *v.shape[1:]), batch)
+
+  def run(key_data):
+    state = optax.tree_utils.tree_set(tx.init(params), key=key_data)
+
+    def window(state, _):
+      def micro(state, mb):
+        updates, state = tx.update(grad(params, mb), state, params)
+        return state, updates
+
+      state, updates = lax.scan(micro, state, stacked)
+      return state, jax.tree.map(lambda u: u[-1], updates)  # the emitting step's update
+
+    return lax.scan(window, state, length=2)[1]
+
+  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(SEEDS))
+  return jax.jit(jax.vmap(run))(keys)
+
+
+@pytest.fixture(scope="module")
+def noise_samples(problem):
+  params, batch, clip, expected = problem
+  updates = _noisy_runs(params, batch, clip, SIGMA)
+  flat = lambda t: np.concatenate(  # noqa: E731
+    [np.asarray(v, np.float64).reshape(SEEDS, 2, -1) for v in jax.tree.leaves(t)], axis=-1
+  )
+  clean = np.concatenate([np.ravel(v) for v in jax.tree.leaves(expected)])
+  return flat(updates) - clean, SIGMA * clip / N
+
+
+def test_dp_noise_std_is_sigma_c_over_b_not_sqrt_k_larger(noise_samples):
+  z, std = noise_samples  # (seeds, updates, coordinates)
+  n = z.size
+  measured = z.std()
+  # The std of a std estimate of n Gaussian samples is std / sqrt(2n): 3 of them are ~0.3%.
+  assert 3 * std / np.sqrt(2 * n) < 0.01 * std
+  assert abs(measured / std - 1) < 0.03, (measured, std)
+  assert measured < std * np.sqrt(K) / 2  # noise per micro-step would be sqrt(K) larger
+
+
+def test_dp_noise_is_unbiased(noise_samples):
+  z, std = noise_samples
+  per_coordinate = z.mean(axis=(0, 1))  # each coordinate's mean over 2 x SEEDS draws
+  se = std / np.sqrt(z.shape[0] * z.shape[1])
+  assert np.all(np.abs(per_coordinate) < 4.5 * se)  # 4.5 SE: 50 coordinates at once
+  assert abs(z.mean()) < 3 * std / np.sqrt(z.size)
+
+
+def test_dp_noise_differs_between_updates_and_seeds(noise_samples):
+  z, std = noise_samples
+  first, second = z[:, 0].ravel(), z[:, 1].ravel()
+  assert not np.any(first == second)
+  corr = np.corrcoef(first, second)[0, 1]
+  assert abs(corr) < 3 / np.sqrt(first.size)
+  across_seeds = np.corrcoef(z[:-1, 0].ravel(), z[1:, 0].ravel())[0, 1]
+  assert abs(across_seeds) < 3 / np.sqrt(first.size)
+
+
+def test_dp_noise_is_the_same_on_every_device(problem):
+  params, batch, clip, _ = problem
+  mesh = jax.make_mesh((8,), (AX,))
+  per_device, _ = _shard_map_run(params, micro_batches(batch, 2), mesh, clip, 2, sigma=SIGMA)
+  for leaf in jax.tree.leaves(per_device):
+    leaf = np.asarray(leaf)
+    assert np.all(leaf == leaf[:1]), "devices drew different noise"
+  # and it is noise: the σ = 0 run differs from it
+  clean, _ = _shard_map_run(params, micro_batches(batch, 2), mesh, clip, 2, sigma=0.0)
+  assert ref.max_abs_diff(per_device, clean) > 0.1 * SIGMA * clip / N
+
+
+def test_dp_noise_train_step_same_noise_on_every_device_shard(problem):
+  params, batch, clip, _ = problem
+  mesh = jax.make_mesh((8,), (AX,))
+  inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
+  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
+  state, new = step.init(params), params
+  for mb in micro_batches(batch, 2):
+    new, state, _ = step(new, state, mb)
+  for leaf in jax.tree.leaves(new):
+    shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+    assert len(shards) == 8 and all(np.array_equal(s, shards[0]) for s in shards)
+
+
+# ----------------------------------------------------------------------------------------------
+# Random numbers in the compiled programs: once per update, whatever k.
+
+
+_RNG = re.compile(r"jit\((_threefry\w*|_normal\w*|_uniform|_random_bits|_bernoulli|_gamma\w*)\)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def _is_rng(line):
+  """An instruction of a random-number computation (by JAX's op_name metadata), or an rng op."""
+  m = _OP_NAME.search(line)
+  parsed = _hlo.parse_instruction(line.strip())
+  return bool((m and _RNG.search(m.group(1))) or (parsed and parsed.op.startswith("rng")))
+
+
+def rng_ops(hlo_text):
+  """Random-number instructions of an optimised HLO module, by where they run: "step" (once
+  per call), "loop" (in the body of one of the program's while loops: once per iteration),
+  "cond" (in a conditional branch). The hash's own loops (threefry rounds) are not the
+  program's loops: a while loop whose metadata says it belongs to a random function keeps its
+  caller's placement. Fusion bodies take their caller's placement."""
+  comps, entry = _hlo.computations(hlo_text)
+  lines = {}
+  for line in hlo_text.splitlines():
+    parsed = _hlo.parse_instruction(line.strip())
+    if parsed is not None:
+      lines[parsed.name] = line
+  where, todo = {}, [(entry, "step")]
+  while todo:
+    name, place = todo.pop()
+    if name in where or name not in comps:
+      continue
+    where[name] = place
+    for instr in comps[name]:
+      inner = place
+      if instr.op == "while" and not _is_rng(lines.get(instr.name, "")):
+        inner = "loop" if place == "step" else place
+      elif instr.op == "conditional":
+        inner = "cond"
+      todo += [(c, inner) for c in _hlo.callees(instr)]
+  counts = {"step": 0, "loop": 0, "cond": 0}
+  for name, instrs in comps.items():
+    for instr in instrs:
+      if name in where and _is_rng(lines.get(instr.name, "")):
+        counts[where[name]] += 1
+  return counts
+
+
+def _in_step_hlo(params, clip, k, sigma):
+  batch = ref.regression_data(1, 4 * k)
+  tx = noise(sigma, clip, 4 * k)
+  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+
+  def step(params, state, batch):
+    return tx.update(summed(params, batch), state, params)
+
+  return jax.jit(step).lower(params, tx.init(params), batch).compile().as_text()
+
+
+def _accumulate_hlo(params, clip, k, sigma):
+  tx = oa.accumulate(noise(sigma, clip, 4 * k), k, reduction="sum")
+  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+  step = lambda p, s, b: tx.update(grad(p, b), s, p)  # noqa: E731
+  return jax.jit(step).lower(params, tx.init(params), ref.regression_data(1, 4)).compile().as_text()
+
+
+def test_dp_noise_draws_random_numbers_once_per_update_whatever_k(problem):
+  params, _, clip, _ = problem
+  in_step = {k: rng_ops(_in_step_hlo(params, clip, k, SIGMA)) for k in (2, 16)}
+  assert in_step[2]["loop"] == in_step[16]["loop"] == 0, in_step  # none per micro-batch
+  assert in_step[2] == in_step[16] and in_step[2]["step"] > 0, in_step
+  assert rng_ops(_in_step_hlo(params, clip, 16, 0.0)) == {"step": 0, "loop": 0, "cond": 0}
+  # Across steps (device conditional): only in the emitting branch, the same for every k.
+  across = {k: rng_ops(_accumulate_hlo(params, clip, k, SIGMA)) for k in (2, 16)}
+  assert across[2] == across[16] and across[2]["cond"] > 0, across
+  assert across[2]["step"] == across[2]["loop"] == 0, across
+
+
+def test_dp_noise_train_step_accumulating_program_draws_nothing(problem):
+  params, batch, clip, _ = problem
+  inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
+  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  counts = {}
+  for k in (2, 16):
+    step = oa.TrainStep(loss, inner, every_k=k, reduction="sum", donate=False)
+    state, mb = step.init(params), micro_batches(batch, 16)[0]
+    counts[k] = {
+      emit: rng_ops(step.lower(params, state, mb, emit=emit).compile().as_text())
+      for emit in (False, True)
+    }
+  assert counts[2] == counts[16], counts
+  assert sum(counts[2][False].values()) == 0, counts  # nothing drawn on accumulating steps
+  # The emitting program draws (in the branch that guards an empty window), never per loop.
+  assert counts[2][True]["loop"] == 0 and sum(counts[2][True].values()) > 0, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Dtypes and bad input.
+
+
+def test_dp_noise_keeps_gradient_dtypes():
+  tx = noise(1.0, 1.0, 8)
+  grads = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones((2, 2), jnp.float32)}
+  updates, state = jax.jit(tx.update)(grads, tx.init(grads))
+  assert jax.tree.map(lambda u: u.dtype, updates) == jax.tree.map(lambda g: g.dtype, grads)
+  assert state.count.dtype == jnp.int32 and state.key.dtype == jnp.uint32
+
+
+@pytest.mark.parametrize(
+  "args, match",
+  [
+    ((-0.1, 1.0, 8.0), r"noise_multiplier must be a finite number >= 0, got -0.1"),
+    ((1.0, 0.0, 8.0), r"l2_clip must be a positive finite number, got 0.0"),
+    ((1.0, -2.0, 8.0), r"l2_clip must be a positive finite number, got -2.0"),
+    ((1.0, 1.0, 0), r"expected_batch_size must be a positive finite number, got 0"),
+    ((1.0, 1.0, -8.0), r"expected_batch_size must be a positive finite number, got -8.0"),
+    ((np.nan, 1.0, 8.0), r"noise_multiplier must be a finite number >= 0, got nan"),
+  ],
+)
+def test_dp_noise_rejects_out_of_range_arguments(args, match):
+  with pytest.raises(ValueError, match=rf"dp_noise: {match}"):
+    oa.dp_noise(*args, jax.random.key(next(_SEEDS)))
+
+
+def test_dp_noise_rejects_a_reused_key():
+  key = jax.random.key(123_456)
+  first = oa.dp_noise(1.0, 1.0, 8.0, key)
+  with pytest.raises(ValueError, match=r"dp_noise: this key \(data \[0, 123456\]\) was already"):
+    oa.dp_noise(1.0, 1.0, 8.0, key)
+  with pytest.raises(ValueError, match=r"already given to another dp_noise"):
+    oa.dp_noise(2.0, 1.0, 8.0, jax.random.PRNGKey(123_456))  # the same key, legacy spelling
+  again = oa.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a rebuilt run, on purpose
+  assert again is not first
+  del first, again
+  import gc
+
+  gc.collect()
+  oa.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: fine
+
+
+@pytest.mark.parametrize(
+  "key, match",
+  [
+    (0, r"key must be a PRNG key .* got 0"),
+    (np.zeros(3, np.uint32), r"got uint32\[3\]"),
+    (jax.random.split(jax.random.key(0), 2), r"single PRNG key, got keys of shape \(2,\)"),
+  ],
+)
+def test_dp_noise_rejects_what_is_not_one_key(key, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    oa.dp_noise(1.0, 1.0, 8.0, key)
+
+
+def test_dp_updates_needs_exactly_one_noise_state():
+  with pytest.raises(ValueError, match=r"dp_updates: the state must hold exactly one .*found 0"):
+    oa.dp_updates(optax.adam(1e-3).init(jnp.zeros(2)))
+  two = optax.chain(noise(1.0, 1.0), noise(1.0, 1.0))
+  with pytest.raises(ValueError, match=r"found 2"):
+    oa.dp_updates(two.init(jnp.zeros(2)))
