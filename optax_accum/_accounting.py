@@ -156,11 +156,19 @@ def dp_noise_multiplier(
     raise ValueError(f"dp_noise_multiplier: num_updates must be >= 1, got {num_updates!r}.")
   dp_accounting = _dp_accounting("dp_noise_multiplier")
   _accountant(dp_accounting, accountant, "dp_noise_multiplier")  # checks the name first
-  sigma = dp_accounting.calibrate_dp_mechanism(
-    lambda: _accountant(dp_accounting, accountant, "dp_noise_multiplier"),
-    lambda s: dp_event(n, q, s),
-    eps,
-    d,
-    bracket_interval=dp_accounting.LowerEndpointAndGuess(1e-3, 1.0),
-  )
+
+  def calibrate(name: str, bracket: Any) -> float:
+    return dp_accounting.calibrate_dp_mechanism(
+      lambda: _accountant(dp_accounting, name, "dp_noise_multiplier"),
+      lambda s: dp_event(n, q, s),
+      eps,
+      d,
+      bracket_interval=bracket,
+    )
+
+  sigma = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-3, 1.0))
+  if accountant == "pld":
+    # RDP is looser, so its σ bounds PLD's from above; a bracket below it keeps PLD away from
+    # tiny σ, whose privacy loss distributions are huge.
+    sigma = calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma, sigma))
   return float(sigma)

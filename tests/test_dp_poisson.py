@@ -1,0 +1,164 @@
+"""Poisson sampling: the sampler (seeded, reproducible, resumable, padded), and DP-SGD on
+Poisson batches with padding, in one step and across steps, against the reference over the
+sampled examples divided by the expected batch size."""
+
+import math
+
+import _reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from test_dp_clipping import assert_close, median_norm, reference_sum
+
+import optax_accum as oa
+
+N, Q, B = 200, 0.15, 8  # data set, sampling rate, micro-batch
+
+
+def test_poisson_sampler_is_reproducible_and_resumable():
+  a = oa.PoissonSampler(N, Q, B, seed=3)
+  first = [next(a) for _ in range(6)]
+  again = oa.PoissonSampler(N, Q, B, seed=3)
+  assert all(np.array_equal(x.indices, y.indices) for x, y in zip(first, again, strict=False))
+  resumed = oa.PoissonSampler(N, Q, B, seed=3, start=4)
+  assert [b.step for b in (next(resumed), next(resumed))] == [4, 5]
+  assert np.array_equal(resumed.batch(4).mask, first[4].mask)
+  assert np.array_equal(a.batch(2).indices, first[2].indices)  # batch t: a function of t only
+  other = oa.PoissonSampler(N, Q, B, seed=4).batch(0)
+  assert not np.array_equal(other.indices, first[0].indices)
+
+
+def test_poisson_sampler_pads_to_whole_microbatches():
+  s = oa.PoissonSampler(N, Q, B, seed=0)
+  for t in range(50):
+    b = s.batch(t)
+    assert b.indices.shape == b.mask.shape == (b.num_microbatches * B,)
+    assert b.num_real == b.mask.sum()
+    assert b.num_microbatches == max(1, math.ceil(b.num_real / B))
+    assert len(set(b.indices[b.mask].tolist())) == b.num_real  # no example twice
+    assert np.all(b.indices[~b.mask] == 0)
+
+
+@pytest.mark.parametrize("split", ["contiguous", "strided"])
+def test_poisson_sampler_fixed_shape_keeps_real_rows_in_first_microbatches(split):
+  m = 8
+  s = oa.PoissonSampler(N, Q, B, seed=1, max_microbatches=m, split=split)
+  for t in range(30):
+    b = s.batch(t)
+    assert b.indices.shape == (m * B,)
+    rows = b.mask.reshape(m, B) if split == "contiguous" else b.mask.reshape(B, m).T
+    assert rows[b.num_microbatches :].sum() == 0  # micro-batch i is rows[i]
+    assert rows[: b.num_microbatches].sum() == b.num_real
+    assert b.num_microbatches == max(1, math.ceil(b.num_real / B))
+
+
+def test_poisson_sampler_samples_at_rate_q():
+  s = oa.PoissonSampler(N, Q, B, seed=5)
+  steps = 2000
+  counts = np.zeros(N)
+  sizes = []
+  for t in range(steps):
+    b = s.batch(t)
+    counts[b.indices[b.mask]] += 1
+    sizes.append(b.num_real)
+  se = math.sqrt(N * Q * (1 - Q) / steps)
+  assert abs(np.mean(sizes) - Q * N) < 3 * se
+  assert abs(np.var(sizes) / (N * Q * (1 - Q)) - 1) < 3 * math.sqrt(2 / steps)
+  per_example_se = math.sqrt(Q * (1 - Q) / steps)
+  # Every example at rate q (4.5 SE: 200 examples at once).
+  assert np.all(np.abs(counts / steps - Q) < 4.5 * per_example_se)
+  assert s.expected_batch_size == Q * N
+
+
+def test_poisson_sampler_empty_draw_still_gives_one_microbatch():
+  s = oa.PoissonSampler(10, 0.01, 4, seed=0)
+  empty = next(b for b in map(s.batch, range(1000)) if b.num_real == 0)
+  assert empty.num_microbatches == 1 and empty.indices.shape == (4,) and not empty.mask.any()
+
+
+def test_poisson_sampler_refuses_to_truncate():
+  s = oa.PoissonSampler(N, 0.5, B, seed=0, max_microbatches=2)
+  with pytest.raises(ValueError, match=r"drew \d+ examples, more than max_microbatches=2 .*"):
+    s.batch(0)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"num_examples": 0}, r"num_examples must be a positive int, got 0"),
+    ({"sampling_rate": 0.0}, r"sampling_rate must be in \(0, 1\], got 0.0"),
+    ({"sampling_rate": 1.2}, r"sampling_rate must be in \(0, 1\], got 1.2"),
+    ({"microbatch_size": 2.0}, r"microbatch_size must be a positive int, got 2.0"),
+    ({"seed": -1}, r"seed must be an int >= 0, got -1"),
+    ({"max_microbatches": 0}, r"max_microbatches must be a positive int, got 0"),
+    ({"split": "random"}, r"split must be one of \('strided', 'contiguous'\), got 'random'"),
+    ({"start": -2}, r"start must be an int >= 0, got -2"),
+  ],
+)
+def test_poisson_sampler_rejects_bad_arguments(kwargs, match):
+  args = dict(num_examples=N, sampling_rate=Q, microbatch_size=B, seed=0) | kwargs
+  with pytest.raises(ValueError, match=rf"PoissonSampler: {match}"):
+    oa.PoissonSampler(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# DP-SGD on Poisson batches (σ = 0): the sum over the sampled examples / the expected size.
+
+
+@pytest.fixture(scope="module")
+def problem():
+  params, data = ref.mlp_params(0), ref.regression_data(2, N)
+  return params, data, median_norm(params, data)
+
+
+def _expected(params, data, clip, batch):
+  sampled = jax.tree.map(lambda v: v[batch.indices[batch.mask]], data)
+  return jax.tree.map(lambda v: v / (Q * N), reference_sum(params, sampled, clip))
+
+
+@pytest.mark.parametrize("split", ["contiguous", "strided"])
+def test_dp_poisson_in_one_step_fixed_shape_matches_reference(problem, split):
+  params, data, clip = problem
+  m = 10
+  sampler = oa.PoissonSampler(N, Q, B, seed=7, max_microbatches=m, split=split)
+  tx = oa.dp_noise(0.0, clip, sampler.expected_batch_size, jax.random.key(77_000 + len(split)))
+  cg = oa.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)
+
+  @jax.jit  # one compilation for every batch: fixed shapes, a device count of micro-batches
+  def step(params, state, batch, mask, num_real):
+    summed = oa.microbatch(
+      cg, m, batch_argnums=(1, 2), reduction="sum", split=split, num_real_microbatches=num_real
+    )
+    return tx.update(summed(params, batch, mask), state, params)
+
+  state = tx.init(params)
+  for t in range(4):
+    b = sampler.batch(t)
+    rows = jax.tree.map(lambda v, b=b: v[b.indices], data)
+    updates, state = step(params, state, rows, b.mask, jnp.int32(b.num_microbatches))
+    assert_close(updates, _expected(params, data, clip, b))
+  assert step._cache_size() == 1
+  assert int(oa.dp_updates(state)) == 4
+
+
+def test_dp_poisson_across_steps_host_window_matches_reference(problem):
+  params, data, clip = problem
+  sampler = oa.PoissonSampler(N, Q, B, seed=8)
+  inner = optax.chain(oa.dp_noise(0.0, clip, Q * N, jax.random.key(88_001)), optax.sgd(1.0))
+  loss = oa.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
+  # every_k: a cap above any window; the host closes each logical batch with force_emit.
+  step = oa.TrainStep(loss, inner, every_k=1000, reduction="sum", donate=False)
+  state = step.init(params)
+  for t in range(3):
+    b = sampler.batch(t)
+    before = params
+    for i in range(b.num_microbatches):
+      rows = slice(i * B, (i + 1) * B)
+      mb = jax.tree.map(lambda v, b=b, rows=rows: v[b.indices[rows]], data)
+      last = i == b.num_microbatches - 1
+      params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
+    moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
+    assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)  # through p - (p - ĝ)
+  assert int(oa.dp_updates(state)) == 3
