@@ -24,6 +24,10 @@ importing this module never needs them.
 The second task, ``python -m optax_accum.demo lm [--quick]``, trains a byte-level transformer on
 the standard library's source four ways (large batch, `TrainStep` and `microbatch` with token
 weights, the naive mean of micro-batch means) under a memory budget; see `optax_accum._lm`.
+
+The third, ``python -m optax_accum.demo dp [--quick]``, trains the digits with differential
+privacy (Poisson batches far larger than the micro-batch) and prints ε, δ and both accuracies;
+see `optax_accum._dp_demo`.
 """
 
 from __future__ import annotations
@@ -352,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> list:
     from optax_accum._lm import cli  # noqa: PLC0415
 
     return cli.main(argv[1:])
+  if argv[:1] == ["dp"]:
+    from optax_accum import _dp_demo  # noqa: PLC0415
+
+    return _dp_demo.main(argv[1:])
   args = parse_args(argv)
   for module in _EXTRAS:
     _require(module)
