@@ -98,7 +98,8 @@ def dp_epsilon(
     TypeError, ValueError: for arguments out of range (naming the argument) or an unknown
       accountant; ImportError: without ``dp-accounting`` (``pip install optax-accum[dp]``).
 
-  >>> import optax_accum
+  >>> import pytest, optax_accum
+  >>> _ = pytest.importorskip("dp_accounting")  # the dp extra; without it, a skip
   >>> eps = optax_accum.dp_epsilon(1000, 0.01, 1.1, 1e-5)
   >>> 1.0 < eps < 3.0
   True
@@ -143,7 +144,8 @@ def dp_noise_multiplier(
   Raises:
     TypeError, ValueError: for arguments out of range; ImportError: without ``dp-accounting``.
 
-  >>> import optax_accum
+  >>> import pytest, optax_accum
+  >>> _ = pytest.importorskip("dp_accounting")  # the dp extra; without it, a skip
   >>> sigma = optax_accum.dp_noise_multiplier(2.0, 1000, 0.01, 1e-5)
   >>> optax_accum.dp_epsilon(1000, 0.01, sigma, 1e-5) <= 2.0
   True
