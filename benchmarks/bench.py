@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import _cross, _models, _noise, _precision, _report, _within  # noqa: E402
+from benchmarks import _cross, _dp, _models, _noise, _precision, _report, _within  # noqa: E402
 
-SECTIONS = ("cross", "noise", "within", "precision", "emission", "distributed")
+SECTIONS = ("cross", "noise", "within", "precision", "emission", "distributed", "dp")
 
 SCALES = {
   # Tiny: checks that the harness runs end to end; figures are dispatch-bound, not meaningful.
@@ -286,6 +286,11 @@ def main(argv=None):
     else ROOT / "benchmarks" / "results" / (backend if scale != "quick" else f"tmp/{backend}-quick")
   )
   print(f"backend: {backend} · device: {device_kind} × {jax.device_count()} · scale: {scale}")
+  if "dp" in only:  # its own files (dp.md, dp.json): a dp-only run rewrites nothing else
+    _dp.run(scale, out)
+    only.remove("dp")
+    if not only:
+      return
 
   from tqdm import tqdm
 
