@@ -8,7 +8,10 @@ several libraries once accumulation is on). ``dp-accounting`` is the ``dp`` extr
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
@@ -27,6 +30,20 @@ def _dp_accounting(caller: str) -> Any:
   except ImportError as e:  # an optional dependency: say how to install it
     raise ImportError(NO_DP_ACCOUNTING.format(caller=caller)) from e
   return dp_accounting
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+  """dp-accounting's RDP accountant logs a warning (through absl, i.e. the "absl" logger) for
+  each Rényi order whose series does not converge, and drops that order: ε stays an upper bound
+  over the others. Keep them off the user's console while we compute."""
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.ERROR)
+  try:
+    yield
+  finally:
+    logger.setLevel(level)
 
 
 def _number(value: Any, name: str, caller: str) -> float:
@@ -114,8 +131,9 @@ def dp_epsilon(
     return 0.0
   if sigma == 0:
     return math.inf
-  acc.compose(dp_event(n, q, sigma))
-  return float(acc.get_epsilon(d))
+  with _quiet():
+    acc.compose(dp_event(n, q, sigma))
+    return float(acc.get_epsilon(d))
 
 
 def dp_noise_multiplier(
@@ -168,9 +186,10 @@ def dp_noise_multiplier(
       bracket_interval=bracket,
     )
 
-  sigma = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-3, 1.0))
-  if accountant == "pld":
-    # RDP is looser, so its σ bounds PLD's from above; a bracket below it keeps PLD away from
-    # tiny σ, whose privacy loss distributions are huge.
-    sigma = calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma, sigma))
+  with _quiet():
+    sigma = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-3, 1.0))
+    if accountant == "pld":
+      # RDP is looser, so its σ bounds PLD's from above; a bracket below it keeps PLD away
+      # from tiny σ, whose privacy loss distributions are huge.
+      sigma = calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma, sigma))
   return float(sigma)

@@ -133,10 +133,6 @@ def main(argv: Sequence[str]) -> dict:
   from optax_accum.demo import load_digits  # noqa: PLC0415  (the digits, as the main job has them)
 
   args = parse_args(argv)
-  # dp-accounting's RDP logs a warning for each Rényi order it drops while calibrating σ.
-  from absl import logging  # noqa: PLC0415  (a dependency of dp-accounting)
-
-  logging.set_verbosity(logging.ERROR)
   (x, y), (x_test, y_test) = load_digits(seed=args.seed)
   q = args.batch_size / len(x)
   sigma = optax_accum.dp_noise_multiplier(args.epsilon, args.updates, q, args.delta)
