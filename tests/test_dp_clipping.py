@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import optax_accum as oa
+from optax_accum import _hlo
 
 N = 32
 
@@ -168,3 +169,18 @@ def test_clipped_grad_rejects_mismatched_batch_and_mask(problem):
     oa.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=1)
   with pytest.raises(ValueError, match=r"sensitivity: neighboring_relation must be one of"):
     oa.clipped_grad(ref.mlp_loss, 1.0).sensitivity("swap")
+
+
+def test_clipped_grad_planner_picks_microbatch_from_compiled_memory(problem):
+  params, batch, clip = problem
+  clipped = oa.clipped_grad(ref.mlp_loss, clip)
+
+  def peak(k):
+    f = jax.jit(oa.microbatch(clipped, k, reduction="sum"))
+    return _hlo.peak_bytes(f.lower(params, batch).compile())
+
+  # The per-example gradients of one micro-batch dominate: the peak shrinks with b = N / k.
+  p2, p4 = peak(2), peak(4)
+  assert p4 < p2
+  plan = oa.plan_microbatches(clipped, params, batch, memory_limit=(p2 + p4) // 2, reduction="sum")
+  assert plan.num_microbatches == 4 and plan.peak_bytes[4] == p4
