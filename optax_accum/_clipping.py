@@ -167,9 +167,23 @@ class ClippedGrad:
     return ("sum", STATS_REDUCTION) if self.return_stats else "sum"
 
   def sensitivity(self, neighboring_relation: Any = "add_or_remove_one") -> float:
-    """The L2 sensitivity of the clipped sum: ``C`` when one example is added or removed (or
-    replaced by a zero one, "replace_special"), ``2C`` when one is replaced ("replace_one").
-    Takes the name or a ``dp_accounting.NeighboringRelation``."""
+    """The L2 sensitivity of the clipped sum (what the Gaussian mechanism's noise is scaled to).
+
+    Args:
+      neighboring_relation: "add_or_remove_one" (one example added or removed: ``C``),
+        "replace_special" (one example replaced by a zero one: ``C``) or "replace_one" (one
+        replaced by any other: ``2C``); or a ``dp_accounting.NeighboringRelation``.
+
+    Returns:
+      The sensitivity, a Python float.
+
+    Raises:
+      ValueError: for another relation.
+
+    >>> import jax.numpy as jnp, optax_accum
+    >>> optax_accum.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5).sensitivity("replace_one")
+    1.0
+    """
     name = getattr(neighboring_relation, "name", neighboring_relation)
     factor = _RELATIONS.get(str(name).lower())
     if factor is None:

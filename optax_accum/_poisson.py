@@ -120,7 +120,18 @@ class PoissonSampler:
     return self.sampling_rate * self.num_examples
 
   def batch(self, step: int) -> PoissonBatch:
-    """Logical batch `step` (a pure function of the seed and `step`)."""
+    """Logical batch `step`, a pure function of the seed and `step` (any order, any process).
+
+    Args:
+      step: which logical batch, an int >= 0.
+
+    Returns:
+      A `PoissonBatch`: the padded indices and mask, the realised size and the number of
+      micro-batches that hold it.
+
+    Raises:
+      ValueError: with `max_microbatches`, if the draw does not fit in them.
+    """
     rng = np.random.default_rng((self.seed, int(step)))
     sampled = np.flatnonzero(rng.random(self.num_examples) < self.sampling_rate)
     n, b = sampled.size, self.microbatch_size
