@@ -412,3 +412,19 @@ def test_dp_updates_needs_exactly_one_noise_state():
   two = optax.chain(noise(1.0, 1.0), noise(1.0, 1.0))
   with pytest.raises(ValueError, match=r"found 2"):
     oa.dp_updates(two.init(jnp.zeros(2)))
+
+
+def test_dp_noise_rides_on_the_one_all_reduce_per_update(problem):
+  params, batch, clip, _ = problem
+  mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
+  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  counts = {}
+  for k in (2, 16):
+    inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
+    step = oa.TrainStep(loss, inner, every_k=k, reduction="sum", axis_name=AX, mesh=mesh)
+    state, mb = step.init(params), micro_batches(batch, 16)[0]
+    texts = {e: step.lower(params, state, mb, emit=e).compile().as_text() for e in (False, True)}
+    # Gradient-sized all-reduces (the loss's scalar mean is not one): none while accumulating.
+    big = 4 * sum(v.size for v in jax.tree.leaves(params)) // 2
+    counts[k] = {e: oa.count_collectives(t, "all-reduce", min_bytes=big) for e, t in texts.items()}
+  assert counts[2] == counts[16] == {False: 0, True: 1}, counts
