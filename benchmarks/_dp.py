@@ -15,7 +15,10 @@ Writes ``dp.md`` and ``dp.json`` beside the other sections' results (``bench.py 
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +141,10 @@ def markdown(res: dict) -> str:
     f"MLP {'-'.join(map(str, res['mlp']))}, clip norm {CLIP}, {res['backend']} "
     f"({res['device']}), jax {res['jax']}, jax_privacy {res['jax_privacy']}.",
     "",
+    f"`{res['command']}`, {res['date']}, scale {res['scale']}, {res['seconds']:.0f} s; load "
+    f"average {res['load'][0]:.1f} at the start, {res['load'][1]:.1f} at the end (a shared "
+    "machine: the ratios are medians of back-to-back pairs, the spreads are the IQR).",
+    "",
     "## Compiled memory of one micro-step vs the logical batch",
     "",
     "| form | b | k | logical batch | argument | temp | peak |",
@@ -191,7 +198,11 @@ def run(scale: str, out: Path, progress: Any = None, log=print) -> dict:
 
   cfg = CONFIG[scale]
   device = jax.devices()[0]
+  t0, load0 = time.perf_counter(), os.getloadavg()[0]
   res = {
+    "command": f"python benchmarks/bench.py --only dp --scale {scale}",
+    "scale": scale,
+    "date": datetime.date.today().isoformat(),
     "mlp": list(cfg["mlp"]),
     "backend": jax.default_backend(),
     "device": getattr(device, "device_kind", str(device)),
@@ -200,6 +211,7 @@ def run(scale: str, out: Path, progress: Any = None, log=print) -> dict:
     "memory": memory_rows(cfg),
     "time": time_rows(cfg, progress),
   }
+  res["seconds"], res["load"] = time.perf_counter() - t0, [load0, os.getloadavg()[0]]
   out.mkdir(parents=True, exist_ok=True)
   (out / "dp.json").write_text(json.dumps(res, indent=1))
   (out / "dp.md").write_text(markdown(res))
