@@ -12,6 +12,7 @@ are replicated), and the count is what the accountant must be given (`dp_updates
 
 from __future__ import annotations
 
+import gc
 import weakref
 from typing import Any, NamedTuple
 
@@ -75,7 +76,11 @@ def _claim(data: jax.Array, owner: Any, allow: bool) -> None:
   fingerprint = np.asarray(data).tobytes()
   held = _KEYS.get(fingerprint)
   if held is not None and held() is not None and not allow:
-    raise ValueError(KEY_REUSED.format(data=np.asarray(data).tolist()))
+    # A finished run's optimizer often sits in a reference cycle (a training-step object and
+    # its jitted closures) until the collector runs: collect before calling the key held.
+    gc.collect()
+    if held() is not None:
+      raise ValueError(KEY_REUSED.format(data=np.asarray(data).tolist()))
   _KEYS[fingerprint] = weakref.ref(owner)
 
 

@@ -387,10 +387,19 @@ def test_dp_noise_rejects_a_reused_key():
   again = oa.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a rebuilt run, on purpose
   assert again is not first
   del first, again
-  import gc
-
-  gc.collect()
   oa.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: fine
+
+
+def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
+  key = jax.random.key(654_321)
+
+  class Run:  # a training-step object in a reference cycle, as TrainStep and its closures are
+    def __init__(self):
+      self.tx = oa.dp_noise(1.0, 1.0, 8.0, key)
+      self.me = self
+
+  Run()  # finished: unreachable, but not collected yet
+  oa.dp_noise(1.0, 1.0, 8.0, key)  # the collector runs before a key is called held
 
 
 @pytest.mark.parametrize(
