@@ -200,21 +200,28 @@ def lm(steps: int, log=print) -> list[dict]:
   tokens, mask = data.encode(docs, cfg.seq_len)
   held = {"tokens": jnp.asarray(tokens[1200:]), "mask": jnp.asarray(mask[1200:])}
   train = (tokens[:1200], mask[:1200])
-  evaluate = jax.jit(loss)
-  lr, weight_fn = 3e-3, model.real_tokens
+  lr = 3e-3
   rng = np.random.default_rng(0)
   stream = rng.integers(0, len(train[0]), size=(steps * K_LARGE * 4, MICRO_ROWS))
 
   def micro(i):
-    idx = stream[i]
+    idx = stream[i % len(stream)]
     return {"tokens": jnp.asarray(train[0][idx]), "mask": jnp.asarray(train[1][idx])}
 
   base_tokens = float(np.mean([train[1][stream[i]].sum() for i in range(64)])) * K_LARGE
   sched = optax.cosine_decay_schedule(lr, steps)  # the recipe: `steps` updates of K_LARGE
-  runs = {
-    f"fixed large (k={K_LARGE})": (optax.adam(sched), K_LARGE, steps),
-    f"fixed small (k={K_SMALL})": (optax.adam(sched), K_SMALL, None),
-    f"adaptive (k={K_SMALL}→, gain)": (
+  small_steps = steps * K_LARGE // K_SMALL  # the small batch: the same tokens, its own length
+  runs = [
+    # name, inner optimizer, every_k, the run's end: ("updates", n) or ("progress", τ_end)
+    (f"fixed large (k={K_LARGE})", optax.adam(sched), K_LARGE, ("updates", steps)),
+    (
+      f"fixed small (k={K_SMALL})",
+      optax.adam(optax.cosine_decay_schedule(lr, small_steps)),
+      K_SMALL,
+      ("updates", small_steps),
+    ),
+    (
+      f"adaptive (k={K_SMALL}→, gain)",
       optax.chain(
         optax.scale_by_adam(),
         optax_accum.scale_by_gain(sched, base_weight=base_tokens, rule="sqrt"),
@@ -222,45 +229,49 @@ def lm(steps: int, log=print) -> list[dict]:
       optax_accum.FollowNoiseScale(
         min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=base_tokens / K_LARGE
       ),
-      None,
+      ("progress", steps),
     ),
-  }
+  ]
   out, target = [], None
-  for name, (inner, every_k, max_updates) in runs.items():
-    step = optax_accum.TrainStep(
-      lambda p, b: loss(p, b), inner, every_k, noise_scale=True, weight_fn=weight_fn
-    )
-    params = params0
-    state = step.init(params)
-    curve, seen, i, t0 = [], 0.0, 0, time.perf_counter()
-    limit = max_updates or 4 * steps
-    while int(state.gradient_step) < limit and i < len(stream):
-      b = micro(i)
-      params, state, _ = step(params, state, b)
-      seen += float(b["mask"].sum())
-      i += 1
-      if bool(optax_accum.has_updated(state)):
-        n = int(state.gradient_step)
-        if n % 5 == 0 or n == limit:
-          held_loss = float(evaluate(params, held))
-          curve.append({"update": n, "tokens": seen, "held_out": held_loss,
-                        "k": int(state.window_k)})  # fmt: skip
-          if target is not None and held_loss <= target:
-            break
-    if target is None:
-      target = curve[-1]["held_out"]
-    reached = next((c for c in curve if c["held_out"] <= target), None)
-    out.append(
-      {
-        "run": name,
-        "curve": curve,
-        "reached": reached,
-        "target": target,
-        "seconds": time.perf_counter() - t0,
-      }  # fmt: skip
-    )
-    log(f"[lm] {name}: {len(curve)} evaluations, reached {reached}")
+  for name, inner, every_k, (until, end) in runs:
+    r = _lm_run(loss, params0, inner, every_k, until, end, micro, held, target)
+    r["run"] = name
+    target = r["target"] if target is None else target
+    r["target"] = target
+    r["reached"] = next((c for c in r["curve"] if c["held_out"] <= target), None)
+    out.append(r)
+    log(f"[lm] {name}: {r['curve'][-1]}, reached {r['reached']} ({r['seconds']:.0f} s)")
   return out
+
+
+def _lm_run(loss, params, inner, every_k, until, end, micro, held, target) -> dict:
+  """One LM run with TrainStep (token weights), evaluated on the held-out rows every 5
+  updates; it stops at its end, or once it reaches `target` (when given)."""
+  evaluate = jax.jit(loss)
+  step = optax_accum.TrainStep(
+    loss, inner, every_k, noise_scale=True, weight_fn=lambda b: jnp.sum(b["mask"])
+  )
+  params = jax.tree.map(jnp.copy, params)  # TrainStep donates them: keep the caller's
+  state = step.init(params)
+  curve, seen, i, t0 = [], 0.0, 0, time.perf_counter()
+  while True:
+    b = micro(i)
+    params, state, _ = step(params, state, b)
+    seen += float(b["mask"].sum())
+    i += 1
+    if not bool(optax_accum.has_updated(state)):
+      continue
+    n = int(state.gradient_step)
+    clock = float(optax_accum.progress(state)) if until == "progress" else n
+    done = clock >= end
+    if n % 5 == 0 or done:
+      held_loss = float(evaluate(params, held))
+      curve.append({"update": n, "tokens": seen, "held_out": held_loss,
+                    "k": int(state.window_k), "progress": clock})  # fmt: skip
+      done = done or (target is not None and held_loss <= target)
+    if done:
+      break
+  return {"curve": curve, "target": curve[-1]["held_out"], "seconds": time.perf_counter() - t0}
 
 
 # ----------------------------------------------------------------------------------------------
