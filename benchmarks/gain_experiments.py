@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -90,7 +91,7 @@ def digits(lr: float = 1.5, batch: int = 4) -> Problem:
   w0 = {"w": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
   tau_end = 300
   return Problem(
-    f"digits softmax (batch {batch})",
+    f"digits softmax (batch {batch}, lr {lr:g})",
     w0,
     grad,
     lambda w: xent(w, test_x, test_y),
@@ -162,13 +163,15 @@ def _run(problem: Problem, rule: str, s: int, seed: int = 0) -> dict:
     "loss_se": errs,
     "final_loss": losses[-1],
     "final_se": errs[-1],
+    "peak_loss": float(np.nanmax(losses)),
     "diverged": bool(diverged),
   }
 
 
 def convex(log=print) -> list[dict]:
   rows = []
-  for make in (quadratic, digits):
+  # Digits at a tuned base learning rate, and at a high one where lr × 16 is unstable.
+  for make in (quadratic, digits, lambda: digits(lr=4.0)):
     problem = make()
     for rule in ("gain", "linear"):
       for s in SCALES:
@@ -300,7 +303,7 @@ def _plots(convex_rows, lm_rows, out: Path) -> list[str]:
       ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(problem)
-    name = "convex_" + problem.split()[0] + ".png"
+    name = "convex_" + re.sub(r"[^a-z0-9.]+", "_", problem.lower()).strip("_") + ".png"
     fig.tight_layout()
     fig.savefig(out / name, dpi=110)
     plt.close(fig)
@@ -329,10 +332,11 @@ def _convex_md(rows) -> list[str]:
     "",
     f"Mean over {SEEDS} seeds ± its standard error, at the end of the run (gain: when τ "
     "reaches τ_end; linear: after τ_end / S updates). *vs base*: the final loss over the base "
-    "run's (S = 1).",
+    "run's (S = 1); *peak loss*: the largest mean loss on the way (the start is the first "
+    "point), a sign of instability where it exceeds the starting loss.",
     "",
-    "| problem | rule | S | updates | examples | final loss | vs base |",
-    "| --- | --- | --- | --- | --- | --- | --- |",
+    "| problem | rule | S | updates | examples | final loss | vs base | peak loss |",
+    "| --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for problem in dict.fromkeys(r["problem"] for r in rows):
     base = next(r for r in rows if r["problem"] == problem and r["S"] == 1)
@@ -341,7 +345,7 @@ def _convex_md(rows) -> list[str]:
       ratio = "—" if r["diverged"] else f"{r['final_loss'] / base['final_loss']:.3f}"
       lines.append(
         f"| {problem} | {r['rule']} | {r['S']} | {r['updates']} | {r['examples']} | {loss} | "
-        f"{ratio} |"
+        f"{ratio} | {r['peak_loss']:.3g} |"
       )
   return [*lines, ""]
 

@@ -262,3 +262,35 @@ def test_noise_state_placed_by_state_partition_specs():
       np.zeros(3, np.float32)
     )
   assert state.noise.count.shape == (8,)
+
+
+@pytest.mark.parametrize("path", ["accumulate", "TrainStep"])
+def test_noise_sq_norm_finite_check_is_exact(path):
+  """With noise_scale=True, Σ|g|² is the finite check: a gradient whose squares overflow float32
+  (finite values of 1e30) is kept, exactly as without the statistics, and NaN/±Inf are
+  dropped (the exact check that runs when Σ|g|² is not finite)."""
+  cases = [np.full(DIM, 1e30, np.float32), np.ones(DIM, np.float32)]
+  for bad in (np.nan, np.inf, -np.inf):
+    g = np.ones(DIM, np.float32)
+    g[2] = bad
+    cases.append(g)
+  got = {}
+  for noise in (False, True):
+    if path == "accumulate":
+      tx = accumulate(optax.sgd(1.0), 1, noise_scale=noise)
+      state, update = tx.init(np.zeros(DIM, np.float32)), jax.jit(tx.update)
+      skipped = []
+      for g in cases:
+        _, state = update(g, state, np.zeros(DIM, np.float32))
+        skipped.append(int(state.num_skipped))
+    else:
+      step = optax_accum.TrainStep(
+        lambda p, x: jnp.sum(p * x), optax.sgd(1.0), 2, noise_scale=noise
+      )
+      params = jnp.zeros(DIM)
+      state, skipped = step.init(params), []
+      for g in cases:
+        params, state, _ = step(params, state, g)
+        skipped.append(int(state.num_skipped))
+    got[noise] = skipped
+  assert got[True] == got[False] == [0, 0, 1, 2, 3]
