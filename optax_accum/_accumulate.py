@@ -815,9 +815,13 @@ def accumulate(
       `state_partition_specs`).
     noise_scale: keep the statistics of the gradient noise scale in the state (`noise`: a few
       float32 scalars, no parameter-sized memory): each micro-step adds ``wᵢ|gᵢ|²`` of a kept
-      micro-batch (one more read of its gradient), and the emitting step reduces those sums
-      in the all-reduce it makes anyway (scalars only) and reads the sums once more for
-      ``|ḡ|²``. Read them with `optax_accum.noise_scale(state)`. Default False: none of this.
+      micro-batch (its squared norm, which with `skip_nonfinite` is also the finite check, so
+      no extra read of the gradient), and the emitting step reduces those sums in the
+      all-reduce it makes anyway (scalars only) and reads the sums once more for ``|ḡ|²``.
+      Read them with `optax_accum.noise_scale(state)`. With the default weight the unit is
+      one global micro-batch: under `axis_name` each device's share weighs 1/n. End the
+      inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
+      gain. Default False: none of this.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.

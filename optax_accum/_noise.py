@@ -18,17 +18,21 @@ weighted mean ``ḡ = Σ wᵢ gᵢ / W``:
 (``E[Σ wᵢ|gᵢ|²] = W|G|² + k·tr Σ`` and ``E[W|ḡ|²] = W|G|² + tr Σ``.) With equal weights they
 are the paper's two-batch-size formulas with B_small one micro-batch and B_big the window.
 Units: ``tr Σ`` is the covariance of one unit of weight, so B_simple is counted in units of
-the weight — micro-batches with the default weight 1, examples with example counts, tokens
-with token counts. Devices are more pieces of the same window: each adds its own partial
-``(Σ wᵢ|gᵢ|², k)`` (`partials`), and the sums across devices ride on the all-reduce that the
-window's gradient needs anyway, so 2 devices × k micro-batches give exactly the statistics of
-1 device × 2k.
+the weight — *global* micro-batches with the default weight 1, examples with example counts,
+tokens with token counts. Devices are more pieces of the same window: each adds its own
+partial ``(Σ wᵢ|gᵢ|², k, Σ wᵢ)`` (`partials`), and the sums across devices ride on the
+all-reduce that the window's gradient needs anyway, so 2 devices × k micro-batches give
+exactly the statistics of 1 device × 2k pieces of the same weights. With the default weight a
+device's piece is its share, 1/n, of a global micro-batch (`piece_weight`), so the unit does
+not depend on the layout; gradients that autodiff already all-reduced are one piece, counted
+once (`once`).
 
 B_simple is reported from exponential moving averages of T and Q taken *separately*, then
 divided (the paper's advice: the ratio of the averages, not the average of the ratios, which
 a noisy Q near zero would dominate). The cost is a few float32 scalars of state (`NoiseState`),
-one squared norm per micro-batch gradient and one of the window's mean at emission: no
-parameter-sized buffer, no extra collective.
+one squared norm per micro-batch gradient (which is also the finite check: `_core.
+finite_from_sq_norm`) and one of the window's mean at emission: no parameter-sized buffer, no
+extra collective.
 
 Who calls what: a front end calls `add` for every micro-batch (with the same `restart` as
 `_core.add`), all-reduces `partials` together with the window's sums, then `close` on the
@@ -400,8 +404,8 @@ def noise_scale(state: Any) -> NoiseScale:
   Returns:
     A `NoiseScale` of plain float32 arrays: `grad_sq` and `trace_cov` (smoothed ``|G|²`` and
     tr Σ), `b_simple` (their ratio, the simple noise scale, in units of the micro-batch
-    weight: micro-batches with the default weight 1, examples or tokens when the weights
-    count them), `window_grad_sq` and `window_trace_cov` (the last window's own estimates).
+    weight: *global* micro-batches with the default weight 1, whatever the number of devices,
+    examples or tokens when the weights count them), `window_grad_sq` and `window_trace_cov` (the last window's own estimates).
     All NaN until a window with at least two kept micro-batches has closed.
 
   Raises:
