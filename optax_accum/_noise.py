@@ -83,8 +83,9 @@ class NoiseScale(NamedTuple):
   """The gradient noise scale, as `noise_scale` reports it (float32 scalars).
 
   `grad_sq` and `trace_cov` are the bias-corrected EMAs of the window estimates Q and T (see
-  `optax_accum._noise`), `b_simple` their ratio, in units of the micro-batch weight
-  (micro-batches by default, examples or tokens when the weights count them). All are NaN
+  `optax_accum._noise`), `b_simple` their ratio, in units of the micro-batch weight (global
+  micro-batches by default, on any number of devices; examples or tokens when the weights
+  count them). All are NaN
   until a window with at least two kept micro-batches has closed. `b_simple` is negative or
   infinite if the smoothed `grad_sq` is not positive: the noise swamps the gradient at this
   window size, and a larger window is needed to measure it.
@@ -405,7 +406,8 @@ def noise_scale(state: Any) -> NoiseScale:
     A `NoiseScale` of plain float32 arrays: `grad_sq` and `trace_cov` (smoothed ``|G|²`` and
     tr Σ), `b_simple` (their ratio, the simple noise scale, in units of the micro-batch
     weight: *global* micro-batches with the default weight 1, whatever the number of devices,
-    examples or tokens when the weights count them), `window_grad_sq` and `window_trace_cov` (the last window's own estimates).
+    examples or tokens when the weights count them), `window_grad_sq` and `window_trace_cov`
+    (the last window's own estimates).
     All NaN until a window with at least two kept micro-batches has closed.
 
   Raises:
