@@ -388,22 +388,27 @@ def main(argv=None) -> None:
   p.add_argument("--only", default="convex,lm")
   p.add_argument("--lm-steps", type=int, default=120, help="the LM recipe's updates")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gain"))
+  p.add_argument("--render", action="store_true", help="measure nothing: redraw from results.json")
   args = p.parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
-  only = args.only.split(",")
-  start = time.perf_counter()
-  convex_rows = convex() if "convex" in only else []
-  lm_rows = lm(args.lm_steps) if "lm" in only else []
+  if args.render:
+    res = json.loads((out / "results.json").read_text())
+    meta, convex_rows, lm_rows = res["meta"], res["convex"], res["lm"]
+  else:
+    only = args.only.split(",")
+    start = time.perf_counter()
+    convex_rows = convex() if "convex" in only else []
+    lm_rows = lm(args.lm_steps) if "lm" in only else []
+    meta = {
+      "command": "python benchmarks/gain_experiments.py " + " ".join(argv or sys.argv[1:]),
+      "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+      "backend": jax.default_backend(),
+      "seconds": round(time.perf_counter() - start, 1),
+    }
+    (out / "results.json").write_text(json.dumps({"meta": meta, "convex": convex_rows,
+                                                  "lm": lm_rows}, indent=1))  # fmt: skip
   files = _plots(convex_rows, lm_rows, out)
-  meta = {
-    "command": "python benchmarks/gain_experiments.py " + " ".join(argv or sys.argv[1:]),
-    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-    "backend": jax.default_backend(),
-    "seconds": round(time.perf_counter() - start, 1),
-  }
-  (out / "results.json").write_text(json.dumps({"meta": meta, "convex": convex_rows,
-                                                "lm": lm_rows}, indent=1))  # fmt: skip
   md = [
     "# The gain's experiments (issue 22)",
     "",
