@@ -2,6 +2,7 @@
 
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
 from optax_accum._data_parallel import data_parallel
+from optax_accum._gain import GainState, progress, scale_by_gain
 from optax_accum._hlo import count_collectives
 from optax_accum._microbatch import MicrobatchInfo, microbatch
 from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
@@ -12,6 +13,7 @@ from optax_accum._train_step import TrainStep
 __all__ = [
   "AccumulateState",
   "FollowNoiseScale",
+  "GainState",
   "MicrobatchInfo",
   "MicrobatchPlan",
   "NoiseScale",
@@ -23,6 +25,8 @@ __all__ = [
   "microbatch",
   "noise_scale",
   "plan_microbatches",
+  "progress",
+  "scale_by_gain",
   "state_partition_specs",
 ]
 

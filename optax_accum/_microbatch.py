@@ -417,6 +417,18 @@ def _check_noise(value: Any) -> Any:
   return int(value)
 
 
+def _check_noise_once(leaves: tuple[int, ...]) -> None:
+  """Each gradient leaf once: a selector that names one twice would count its squares twice
+  (doubling T and Q)."""
+  twice = sorted({n for n in leaves if leaves.count(n) > 1})
+  if twice:
+    raise ValueError(
+      f"microbatch: noise_scale selects output leaves {twice} more than once; it must select "
+      "each leaf of the gradient once (e.g. noise_scale=1 for jax.value_and_grad's (value, "
+      "grad), or `lambda out: out[1]`), or T and Q would count them twice."
+    )
+
+
 def _check_bool(value: Any, name: str) -> bool:
   if not isinstance(value, bool | np.bool_):
     raise TypeError(f"microbatch: {name} must be a bool, got {value!r}.")
@@ -591,6 +603,7 @@ def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.P
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
+  _check_noise_once(noise)
   return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
 
 
@@ -739,15 +752,36 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
     total=total,
     invalid=carry.invalid + invalid.astype(jnp.float32),
     skipped=carry.skipped + (dropped & ~invalid).astype(jnp.float32),
-    noise=_noise.add(carry.noise, [leaves[n] for n in plan.noise], w, ~dropped)
-    if plan.noise
-    else carry.noise,
+    noise=_add_noise(opts, plan, carry.noise, leaves, w, dropped),
     last=plan.pick(leaves, "last"),
     rows=rows,
     state=_new_state(plan, leaves, carry.state),
     operands=carry.operands,
   )
   return _collectives.match_variance(new, carry)
+
+
+def _add_noise(opts: _Options, plan: _outputs.Plan, noise, leaves: list, w, dropped):
+  """The micro-batch's gradient into the noise statistics, in units of one global micro-batch
+  by default (each device adds its share: `_noise.piece_weight`)."""
+  if not plan.noise:
+    return noise
+  grads = [leaves[n] for n in plan.noise]
+  pieces = 1 if _noise_reduced(opts, plan) else _axis_size(opts.axis)
+  return _noise.add(noise, grads, _noise.piece_weight(w, pieces), ~dropped)
+
+
+def _axis_size(axis: _gspmd.Axis) -> Any:
+  """The number of devices along a bound axis (the Python int 1 otherwise)."""
+  size = 1
+  for a in axis.names if axis.bound else ():
+    size = size * lax.axis_size(a)
+  return size
+
+
+def _noise_reduced(opts: _Options, plan: _outputs.Plan) -> bool:
+  """The gradient `fun` returns is already reduced over the axis (the same on every device)."""
+  return any(_already_reduced(plan.like[n], opts.axis) for n in plan.noise)
 
 
 def _new_state(plan: _outputs.Plan, leaves: list[Any], state: tuple) -> tuple:
@@ -813,7 +847,9 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   reduced = opts.axis.collectives.reduce(
     (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise))
   )
-  means, local, total, invalid, skipped, (sq_sum, count) = reduced
+  means, local, total, invalid, skipped, partials = reduced
+  if plan.noise and _noise_reduced(opts, plan):  # n copies of the same gradients: once
+    partials = _noise.once(partials, _axis_size(opts.axis))
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
   nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
@@ -838,14 +874,18 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  noise = _window_noise(plan, means, total, sq_sum, count) if plan.noise else None
+  noise = _window_noise(plan, means, total, partials, invalid) if plan.noise else None
   return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
 
 
-def _window_noise(plan: _outputs.Plan, means: list, total, sq_sum, count) -> _noise.NoiseScale:
+def _window_noise(plan: _outputs.Plan, means: list, total, partials, invalid) -> _noise.NoiseScale:
   """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
-  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``."""
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``. An invalid traced weight
+  makes the weighted outputs NaN, and the figures too (never a finite wrong number)."""
   index = {n: i for i, n in enumerate(plan.where("mean"))}
   mean_sq = _noise.sq_norm([means[index[n]] for n in plan.noise]) / jnp.square(total)
-  trace, grad_sq = _noise.window_stats(sq_sum, count, total, mean_sq)
+  sq_sum, count, weight = partials
+  trace, grad_sq = _noise.window_stats(sq_sum, count, weight, mean_sq)
+  nan = jnp.full((), jnp.nan, jnp.float32)
+  trace, grad_sq = (jnp.where(invalid > 0, nan, x) for x in (trace, grad_sq))
   return _noise.NoiseScale(grad_sq, trace, trace / grad_sq, grad_sq, trace)  # nothing to smooth

@@ -68,7 +68,7 @@ def _own_specs(state: AccumulateState, dev: Any, rep: Any, acc: Any, inner: Any)
   the rest."""
   noise = state.noise
   if noise is not None:
-    noise = jax.tree.map(lambda _: rep, noise)._replace(sq_sum=dev, count=dev)
+    noise = jax.tree.map(lambda _: rep, noise)._replace(sq_sum=dev, count=dev, weight=dev)
   return AccumulateState(
     mini_step=rep,
     gradient_step=rep,

@@ -279,8 +279,9 @@ class TrainStep:
     if self._weight_fn is not None:
       weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
     weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
-    sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
-    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped)
+    sq = _accumulate.sq_norm(cfg, grads)  # with noise_scale: also the finite check
+    sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
+    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
@@ -350,7 +351,9 @@ class TrainStep:
     one the emitting program decided from the noise statistics (read back: one device-to-host
     read of a scalar per update, which waits for that program)."""
     if isinstance(self.every_k, _noise.FollowNoiseScale):
-      return int(jax.device_get(state.window_k))
+      # Clipped like the device clips it (`_accumulate.window_length`): a restored state's
+      # decision may come from a policy with other bounds.
+      return int(self.every_k.clip(int(jax.device_get(state.window_k))))
     return self.every_k
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
