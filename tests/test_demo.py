@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from optax_accum import demo
-from optax_accum._lm import cli as lm_cli
 
 pytestmark = pytest.mark.slow  # the demo's main job end to end: an integration test
 
@@ -103,17 +102,3 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   line = re.search(r"B_simple \(gradient noise scale, TrainStep.*\): ([\d,]+) tokens", out)
   assert line and float(line.group(1).replace(",", "")) == pytest.approx(b_simple[-1], abs=0.5)
   assert f"{b_simple[-1]:,.0f} tokens" in table
-
-
-@pytest.mark.parametrize(
-  "argv, match",
-  [
-    (["--quick", "--k", "3"], "--batch-size must be a multiple of --k=3, got 4"),
-    (["--steps", "0"], "--steps must be a positive int, got 0"),
-    (["--memory-budget-mib", "0"], "--memory-budget-mib must be positive, got 0.0"),
-  ],
-)
-def test_demo_lm_bad_flags_name_the_flag(argv, match, capsys):
-  with pytest.raises(SystemExit):
-    lm_cli.parse_args(argv)
-  assert match in capsys.readouterr().err

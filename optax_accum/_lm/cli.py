@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import sys
@@ -22,26 +23,74 @@ PRESETS = {
 EVAL_DOCS = 256
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _number(kind: type, test, needs: str):
+  """An argparse `type`: parses `kind`, then checks it (``argument --x: must be ..., got ...``)."""
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}") from None
+    if not test(value):
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}")
+    return value
+
+  parse.__name__ = needs
+  return parse
+
+
+POSITIVE_INT = _number(int, lambda v: v >= 1, "a positive int")
+NON_NEGATIVE_INT = _number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+POSITIVE = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+
+
+def _writable_dir(p: argparse.ArgumentParser, flag: str, path: str) -> None:
+  """Fails the parse unless `path` is a directory this process can create and write to."""
+  if not path.strip():
+    p.error(f"{flag} must name a directory, got {path!r}")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    p.error(f"{flag} {path!r} is not a directory this process can write to: {e.strerror}")
+
+
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m optax_accum.demo lm",
     description="Train a byte-level transformer on the standard library's source four ways "
-    "(large batch, TrainStep, microbatch, naive mean of means) on the same micro-batches.",
+    "(large batch, TrainStep, microbatch, naive mean of means) on the same micro-batches; "
+    "with --checkpoint-dir, TrainStep alone, checkpointed and resumable.",
   )
   p.add_argument("--quick", action="store_true", help="a small model and run (tests, CI)")
-  p.add_argument("--batch-size", type=int, help="sequences per optimizer step (the recipe)")
-  p.add_argument("--steps", type=int, help="optimizer steps")
-  p.add_argument("--memory-budget-mib", type=float, help="the budget plan_microbatches meets")
-  p.add_argument("--k", type=int, help="micro-batches per step (default: the planned k)")
-  p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-  p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
-  p.add_argument("--out", default="lm_results", help="folder for results.md and lm_loss.png")
+  p.add_argument("--batch-size", type=POSITIVE_INT, help="sequences per optimizer step")
+  p.add_argument("--steps", type=POSITIVE_INT, help="optimizer steps")
+  p.add_argument(
+    "--memory-budget-mib", type=POSITIVE, help="the budget plan_microbatches meets (MiB)"
+  )
+  p.add_argument(
+    "--k", type=POSITIVE_INT, help="micro-batches per step (default: plan_microbatches' k)"
+  )
+  p.add_argument("--lr", type=POSITIVE, default=3e-3, help="Adam learning rate (default 3e-3)")
+  p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seed for init and data order")
+  p.add_argument("--out", help="folder for results.md and lm_loss.png (default lm_results)")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   p.add_argument("--checkpoint-dir", help="train TrainStep only, checkpointing and resuming here")
-  p.add_argument("--checkpoint-every", type=int, default=3, help="micro-steps between checkpoints")
+  p.add_argument(
+    "--checkpoint-every", type=POSITIVE_INT, default=3, help="micro-steps between checkpoints"
+  )
   p.add_argument(
     "--distributed", action="store_true", help="with --checkpoint-dir: jax.distributed (launch)"
   )
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The flags, each checked: a bad one exits with argparse's usage and a message naming it."""
+  p = _parser()
   args = p.parse_args(argv)
   given = sys.argv[1:] if argv is None else list(argv)
   args.command = " ".join(["python -m optax_accum.demo lm", *given])
@@ -50,14 +99,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args.batch_size = batch if args.batch_size is None else args.batch_size
   args.steps = steps if args.steps is None else args.steps
   args.memory_budget_mib = mib if args.memory_budget_mib is None else args.memory_budget_mib
-  for flag in ("batch_size", "steps", "k", "checkpoint_every"):
-    value = getattr(args, flag)
-    if value is not None and value < 1:
-      p.error(f"--{flag.replace('_', '-')} must be a positive int, got {value}")
-  if args.memory_budget_mib <= 0:
-    p.error(f"--memory-budget-mib must be positive, got {args.memory_budget_mib}")
   if args.k is not None and args.batch_size % args.k:
     p.error(f"--batch-size must be a multiple of --k={args.k}, got {args.batch_size}")
+  if args.checkpoint_dir is None:
+    if args.distributed:
+      p.error("--distributed needs --checkpoint-dir (only the checkpointed run is distributed)")
+    args.out = "lm_results" if args.out is None else args.out
+    _writable_dir(p, "--out", args.out)
+  else:
+    if args.out is not None:
+      p.error("--out is for the four-way run; with --checkpoint-dir the run writes there")
+    _writable_dir(p, "--checkpoint-dir", args.checkpoint_dir)
   return args
 
 
