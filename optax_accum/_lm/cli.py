@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import os
 import platform
@@ -144,12 +145,11 @@ def noise_scale_hook(results) -> str | None:
 def train_all(args, loss, params0, windows, held_out):
   """The four runs and the float32 floor, evaluated and compared with the large batch."""
   evaluate = jax.jit(loss)
-  results = []
-  for name in (*methods.METHODS, methods.FLOOR):
-    r = methods.train(name, loss, params0, windows, args.lr, progress=not args.no_progress)
+  names = (*methods.METHODS, methods.FLOOR)
+  results = methods.train(names, loss, params0, windows, args.lr, progress=not args.no_progress)
+  for r in results:
     r.final_loss = float(evaluate(r.params, held_out))
-    r.max_param_diff = methods.max_diff(r.params, results[0].params) if results else 0.0
-    results.append(r)
+    r.max_param_diff = methods.max_diff(r.params, results[0].params) if r is not results[0] else 0.0
   return results
 
 
@@ -174,11 +174,13 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
     f"lm: {len(tokens)} documents of the standard library (seq_len {args.cfg.seq_len}, "
     f"{mask.mean():.0%} real tokens), {dataclasses.astuple(args.cfg)[1:]} (width, heads, "
     f"layers): {n_params:,} params; {args.steps} steps of {args.batch_size} sequences, k={k}"
+    + ("" if args.k else " (planned)")
   )
   print(budget.describe(plan, args.batch_size))
   it = iter(data.dataset(tokens, mask, args.batch_size // k, seed=args.seed))
   results = train_all(args, loss, params0, data.windows(it, k, args.steps), held_out)
   print(report.table(results))
+  print(budget.step_peaks(plan, results))
   line = noise_scale_hook(results)
   if line:
     print(line)
@@ -187,7 +189,8 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
 
 
 def write(args, results, plan, k: int, seconds: float) -> None:
-  """results.md (command, budget line, table) and lm_loss.png under ``--out``."""
+  """results.md (command, budget line, table), results.json (the figures the guide quotes)
+  and lm_loss.png under ``--out``."""
   os.makedirs(args.out, exist_ok=True)
   png = os.path.join(args.out, "lm_loss.png")
   title = f"Byte LM on the stdlib, batch {args.batch_size} = {k} x {args.batch_size // k}"
@@ -203,11 +206,15 @@ def write(args, results, plan, k: int, seconds: float) -> None:
     "",
     report.markdown(results),
     "",
+    f"{budget.step_peaks(plan, results)}. Held-out loss: the token-mean loss of the "
+    f"{EVAL_DOCS} documents after the training ones, after training (the progress bars show "
+    "each step's training loss). tokens/s: the median over windows, after a warm-up window.",
+    "",
     f"{noise_scale_hook(results) or 'B_simple: not measured'}. {report.NOISE_NOTE}",
     "",
     f"float32 floor (the large batch with its rows reordered): max |Δθ| {floor:.2e}; "
-    f"naive: {naive.max_param_diff:.2e}, final loss {naive.final_loss - results[0].final_loss:+.5f}"
-    " vs the large batch.",
+    f"naive: {naive.max_param_diff:.2e}, held-out loss "
+    f"{naive.final_loss - results[0].final_loss:+.5f} vs the large batch.",
     "",
     f"Wall time {seconds:.0f} s on {platform.machine()} ({os.cpu_count()} cores), "
     f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.1f} "
@@ -215,4 +222,7 @@ def write(args, results, plan, k: int, seconds: float) -> None:
   ]
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write("\n".join(text) + "\n")
+  quoted = report.figures(results, plan, args.batch_size, k, seconds)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"command": args.command, "figures": quoted}, f, indent=1, ensure_ascii=False)
   print(f"table and loss curves written to {args.out}/ (results.md, lm_loss.png)")
