@@ -78,10 +78,9 @@ def real_tokens(batch):
 
 
 def refuse_other_config(saved, config):
-  """Exits with every setting that differs from the one the checkpoints were written with."""
+  """Exits naming every setting that differs from the one the checkpoints were written with
+  (``steps`` may differ: more steps extend the run)."""
   changed = [key for key in config if key != "steps" and saved.get(key) != config[key]]
-  if saved["steps"] > config["steps"]:
-    changed.append("steps")  # more steps extend the run; fewer cannot undo trained ones
   if changed:
     said = "; ".join(
       f"--{key} {saved[key]} in the checkpoints, {config[key]} now" for key in changed
@@ -136,12 +135,13 @@ def main(argv=None):
   state = step.init(params)
   options = ocp.CheckpointManagerOptions(save_interval_steps=args.every, max_to_keep=2)
   manager = ocp.CheckpointManager(os.path.abspath(args.dir), options=options)
-  done = 0
+  done, total = 0, args.k * args.steps
   if manager.latest_step() is not None:
     done, params, state = restore(manager, params, state, iterator, config)
     print(f"resumed after micro-step {done}: window position {int(state.mini_step)}/{args.k}")
-
-  total = args.k * args.steps
+    if done > total:
+      past = f"the checkpoints are at micro-step {done}, past --steps {args.steps} ({total})"
+      sys.exit(f"refusing to resume: {past}. Give more --steps, or a new --dir.")
   for n in range(done + 1, total + 1):
     params, state, value = step(params, state, next(iterator))
     manager.save(n, args=save_args(params, state, iterator, config), force=n == total)
