@@ -46,11 +46,9 @@ myst_heading_anchors = 3
 
 # The figures the language-model guide quotes, from the committed run's results.json
 # (``{{ lm_<name> }}``): a name the run did not write is an undefined substitution, an error.
-LM_RUN = ROOT / "benchmarks" / "results" / "lm"
-myst_substitutions = {
-  f"lm_{name}": value
-  for name, value in json.loads((LM_RUN / "results.json").read_text())["figures"].items()
-}
+LM_RUN = json.loads((ROOT / "benchmarks" / "results" / "lm" / "results.json").read_text())
+myst_substitutions = {f"lm_{name}": value for name, value in LM_RUN["figures"].items()}
+myst_substitutions["lm_command"] = f"`{LM_RUN['command']}`"
 
 # Every {code-cell} of a MyST page is executed on each build that reads it; an exception in a
 # cell fails the build. The notebook copied from notebooks/ is rendered with its committed
@@ -61,6 +59,7 @@ nb_execution_show_tb = True
 nb_execution_timeout = 120
 nb_execution_excludepatterns = ["_generated/notebooks/*.ipynb"]  # matched from the right
 nb_merge_streams = True
+
 
 # -- autodoc --------------------------------------------------------------------------------
 default_role = "py:obj"  # `name` in docstrings links when it names a documented object

@@ -20,6 +20,8 @@ from optax_accum._lm import budget, data, methods, model, report, require
 PRESETS = {
   "full": (model.Config(seq_len=128, width=64, heads=4, layers=2), 32, 60, 8192, 12.0),
   "quick": (model.Config(seq_len=64, width=32, heads=2, layers=1), 4, 8, 1024, 1.5),
+  # One GPU (benchmarks/gpu.sh): a model and batch that keep it busy, a minute or two.
+  "gpu": (model.Config(seq_len=256, width=512, heads=8, layers=6), 256, 30, 16384, 4096.0),
 }
 EVAL_DOCS = 256
 
@@ -67,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     "with --checkpoint-dir, TrainStep alone, checkpointed and resumable.",
   )
   p.add_argument("--quick", action="store_true", help="a small model and run (tests, CI)")
+  p.add_argument(
+    "--size", choices=sorted(PRESETS), help="model and run sizes (default full; --quick: quick)"
+  )
   p.add_argument("--batch-size", type=POSITIVE_INT, help="sequences per optimizer step")
   p.add_argument("--steps", type=POSITIVE_INT, help="optimizer steps")
   p.add_argument(
@@ -95,7 +100,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   args = p.parse_args(argv)
   given = sys.argv[1:] if argv is None else list(argv)
   args.command = " ".join(["python -m optax_accum.demo lm", *given])
-  cfg, batch, steps, docs, mib = PRESETS["quick" if args.quick else "full"]
+  if args.quick and args.size not in (None, "quick"):
+    p.error(f"--quick contradicts --size {args.size}")
+  args.size = "quick" if args.quick else (args.size or "full")
+  args.quick = args.size == "quick"
+  cfg, batch, steps, docs, mib = PRESETS[args.size]
   args.cfg, args.num_docs = cfg, docs
   args.batch_size = batch if args.batch_size is None else args.batch_size
   args.steps = steps if args.steps is None else args.steps

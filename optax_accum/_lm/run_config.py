@@ -21,13 +21,13 @@ def of(args, k: int, processes: int) -> dict:
   """The configuration of this run, as saved with its checkpoints (JSON-able).
 
   >>> import argparse
-  >>> args = argparse.Namespace(quick=True, batch_size=8, lr=3e-3, seed=0, num_docs=1024)
+  >>> args = argparse.Namespace(size="quick", batch_size=8, lr=3e-3, seed=0, num_docs=1024)
   >>> sorted(of(args, 4, 1)) == sorted(KEYS)
   True
   """
   python = ".".join(platform.python_version_tuple()[:2])
   return {
-    "model": "quick" if args.quick else "full",
+    "model": args.size,
     "k": k,
     "batch_size": args.batch_size,
     "lr": args.lr,
@@ -41,7 +41,7 @@ def of(args, k: int, processes: int) -> dict:
 def _flag(key: str, value) -> str:
   """The command-line spelling (or, for what no flag sets, the words) that give `value`."""
   if key == "model":
-    return "--quick" if value == "quick" else "no --quick (the full model)"
+    return {"quick": "--quick", "full": "no --quick (the full model)"}.get(value, f"--size {value}")
   if key == "data":
     return f"the data of {value}"
   if key == "processes":

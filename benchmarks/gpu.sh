@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One GPU, at most 8 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
+# TrainStep, both emission modes), the within-step section, the noise-scale cost, TrainStep's
+# compile time, then the language model's tokens/s at a size that keeps the GPU busy. Writes
+# benchmarks/results/gpu/ (bench tables and plots, compile.md, lm/).
+#
+#   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
+#   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+scale=gpu_short
+out=benchmarks/results/gpu
+lm=(--size gpu)
+if [[ "${1:-}" == "--dry-run" ]]; then
+  scale=quick
+  out=benchmarks/results/tmp/gpu-dry-run
+  lm=(--quick)
+elif [[ -n "${1:-}" ]]; then
+  echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2
+  exit 2
+fi
+python -c "import jax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind)"
+# Each phase has its own limit, so the whole stays within 8 minutes (6 + 2).
+timeout 360 python benchmarks/bench.py --scale "$scale" --only cross,emission,noise,within,compile \
+  --out "$out"
+timeout 120 python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm"
+echo "gpu.sh: done in $((SECONDS - start)) s -> $out"
