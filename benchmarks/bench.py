@@ -342,7 +342,9 @@ def main(argv=None):
     (out / "compile.md").write_text(
       "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
       f"{_compile.__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"
-      f"{_compile.markdown(res['compile'])}\n"
+      f"{_compile.markdown(res['compile'])}\n\n"
+      f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (concurrent "
+      "compilation needs a free core).\n"
     )
     files.append("compile.md")
   print()
