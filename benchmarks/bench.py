@@ -146,6 +146,19 @@ SCALES["gpu_short"] = dict(
   within_rounds=5,
   compile_rounds=2,
 )
+# `benchmarks/gpu.sh --dry-run` on any CPU: the same sections on the smallest sizes, one round
+# of each, to know the script runs end to end (figures not meaningful).
+SCALES["gpu_dry_run"] = dict(
+  SCALES["quick"],
+  cross_models=[SCALES["quick"]["cross_models"][0], SCALES["quick"]["cross_models"][2]],
+  micro_steps=4,
+  min_rounds=1,
+  dispatch_windows=1,
+  noise_micro_steps=4,
+  within_ks=(1, 2, 4),
+  within_rounds=1,
+  compile_rounds=1,
+)
 
 
 def build_model(spec, name: str | None = None):

@@ -26,7 +26,7 @@ def test_gpu_script_dry_run_writes_every_section():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "gpu.sh: done in " in proc.stdout
   res = json.loads((out / "results.json").read_text())
-  assert res["meta"]["scale"] == "quick"
+  assert res["meta"]["scale"] == "gpu_dry_run"
   assert res["cross"] and res["noise"] and res["within"] and res["compile"]
   contenders = {row["contender"] for row in res["cross"]}
   assert any("TrainStep" in c for c in contenders) and any("MultiSteps" in c for c in contenders)
