@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
+#                                      # (880 s on a shared 2-core CPU, load ~12, 2026-12-01)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
