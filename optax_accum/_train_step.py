@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -48,6 +49,24 @@ INSIDE_JIT = (
 
 def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _signature(args: tuple, weight: Any) -> tuple:
+  """What the compiled programs depend on in a call's micro-batch and weight: the tree, each
+  leaf's shape, dtype, weak type (a Python scalar) and placement."""
+  leaves, tree = jax.tree.flatten((args, weight))
+  return tree, tuple(
+    (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None)) for x in leaves
+  )
+
+
+def _in_trainstep_words(error: Exception) -> Exception:
+  """A check shared with `accumulate` (`_accumulate.check_update`), said as TrainStep's: its
+  name, and the one way it makes a state."""
+  text = str(error).replace("accumulate.update:", "TrainStep:", 1)
+  text = text.replace(" but is updated with ", " but this TrainStep has ")
+  text = text.replace("`tx.init(params)` or `step.init(params)`", "`step.init(params)`")
+  return type(error)(text)
 
 
 class TrainStep:
@@ -164,6 +183,7 @@ class TrainStep:
       grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
+    self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # With axis_name: whether the programs' output shardings are set (`_pin`); nothing to set
     # without one.
@@ -175,6 +195,7 @@ class TrainStep:
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    self._compiled = {}
     return {
       emit: jax.jit(
         self._step,
@@ -278,7 +299,10 @@ class TrainStep:
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
     if self._weight_fn is not None:
       weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
-    weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
+    try:
+      weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
+    except (TypeError, ValueError) as e:
+      raise _in_trainstep_words(e) from None
     sq = _accumulate.sq_norm(cfg, grads)  # with noise_scale: also the finite check
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
     noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
@@ -326,9 +350,8 @@ class TrainStep:
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
-    program = self._programs[emit]
-    params, state, self._grad_buffer, value = program(
-      params, state, self._buffer(params, args), args, weight, emit=emit
+    params, state, self._grad_buffer, value = self._dispatch(
+      emit, params, state, self._buffer(params, args), args, weight
     )
     self._position = 0 if emit else self._position + 1
     if emit:
@@ -355,6 +378,64 @@ class TrainStep:
       # decision may come from a policy with other bounds.
       return int(self.every_k.clip(int(jax.device_get(state.window_k))))
     return self.every_k
+
+  def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
+    """Runs one of the two programs: compiled together on the first call with these argument
+    types (`compile`), or, for inputs unlike those they were compiled for, through `jax.jit`."""
+    key = _signature(args, weight)
+    if key not in self._compiled:
+      self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
+    compiled = self._compiled[key]
+    if compiled is not None:
+      try:
+        return compiled[emit](params, state, grad_buffer, args, weight)
+      except (TypeError, ValueError):
+        # The compiled programs check their inputs before running (nothing donated yet): other
+        # parameter or state types, or placements. `jax.jit` handles them from now on.
+        self._compiled[key] = None
+    return self._programs[emit](params, state, grad_buffer, args, weight, emit=emit)
+
+  def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
+    """Both programs for these arguments: traced one after the other, compiled concurrently
+    (XLA compiles without holding Python's lock), so the pair costs about the time of the
+    larger one instead of the sum of two."""
+    emits = (True,) if self._cfg.unaccumulated else (False, True)
+    lowered = {e: self._programs[e].lower(params, state, grad_buffer, args, weight, emit=e)
+               for e in emits}  # fmt: skip
+    with futures.ThreadPoolExecutor(len(lowered)) as pool:
+      compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
+      return {e: job.result() for e, job in compiling.items()}
+
+  def compile(self, params, state, *args, weight=None) -> TrainStep:
+    """Compiles both programs now, concurrently, for arguments like these (else the first call
+    does it); returns this `TrainStep`.
+
+    Args:
+      params, state, args, weight: as for a call (only their types and placements matter).
+
+    Returns:
+      ``self``, whose calls with arguments of these types run the programs compiled here.
+
+    Raises:
+      TypeError, ValueError: as a first call would (bad arguments, a state from elsewhere).
+
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> step = optax_accum.TrainStep(lambda p, x: jnp.sum(p * x), optax.sgd(0.1), every_k=2)
+    >>> params = jnp.ones(3)
+    >>> state = step.init(params)
+    >>> step = step.compile(params, state, jnp.ones(3))
+    >>> params, state, loss = step(params, state, jnp.ones(3))
+    >>> float(loss)
+    3.0
+    """
+    self._pin(params)
+    buffer = self._grad_buffer
+    if buffer is None:
+      buffer = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+    self._compiled[_signature(args, weight)] = self._compile_both(
+      params, state, buffer, args, weight
+    )
+    return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
