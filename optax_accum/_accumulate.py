@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from optax_accum import _checks, _collectives, _core, _noise
 from optax_accum._typing import AxisName, DType, Reduction
@@ -348,6 +347,7 @@ def add(
       skip_nonfinite=cfg.skip_nonfinite,
       reduction=cfg.reduction,
       accum_dtype=cfg.accum_dtype,
+      agree=cfg.axis.agree,
     )
   if cfg.unaccumulated:
     # Other devices will see this gradient through the psum: mask and weigh it like any window
@@ -360,7 +360,15 @@ def add(
     sums = cfg.axis.this_device(state.acc_grads)
     total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
-  return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
+  return _core.add(
+    sums,
+    total,
+    grads,
+    weight,
+    skip_nonfinite=cfg.skip_nonfinite,
+    restart=restart,
+    agree=cfg.axis.agree,
+  )
 
 
 def add_noise(
@@ -474,7 +482,7 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  new_inner = _collectives.keep_sharding(optax.tree.cast_like(new_inner, inner_state), inner_state)
   return finish.applied(updates, params, sums), new_inner, _close_noise(noise, sums, total)
 
 
@@ -509,7 +517,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   else:
     applied = window.total > 0
     closed = Closed(
-      *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+      *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
     )
   # The noise partials stay this device's (spent: the next add restarts them).
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
@@ -550,12 +558,13 @@ def emit_dynamic(
   """
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
-    return lax.cond(emitting, close, functools.partial(keep_open, finish), window)
+    return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
     return Closed(*apply(window), jnp.asarray(True))
-  return Closed(*lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies)
+  empty = functools.partial(_no_update, finish)
+  return Closed(*_collectives.cond(applies, apply, empty, window), applies)
 
 
 def advance(

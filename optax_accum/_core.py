@@ -117,6 +117,7 @@ def add(
   *,
   skip_nonfinite: bool,
   restart: jax.Array | None = None,
+  agree: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -133,12 +134,14 @@ def add(
       (a new window starts). Resetting lazily here, inside the same elementwise pass, is what
       lets the emitting step leave the donated accumulator alone instead of copying it out
       and writing zeros over it.
+    agree: an optional ``(keep, weight) -> (keep, weight)`` that makes the drop decision and
+      the weight one value across the model axes (`_collectives.Axis.agree`).
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
     dropped.
   """
-  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite)
+  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite, agree)
   masked = skip_nonfinite or weight is not None
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
@@ -158,7 +161,7 @@ def add(
 
 
 def _kept_weight(
-  tree: Any, weight: jax.Array | None, dtype: Any, skip_nonfinite: bool
+  tree: Any, weight: jax.Array | None, dtype: Any, skip_nonfinite: bool, agree: Any = None
 ) -> tuple[jax.Array, jax.Array]:
   """The micro-batch's weight (0 if dropped) and whether it is kept: its weight is valid (see
   `_checks.valid_weight`) and, with `skip_nonfinite`, its values are finite."""
@@ -168,6 +171,8 @@ def _kept_weight(
   else:
     keep = keep & _checks.valid_weight(weight)
     w = jnp.asarray(weight).astype(dtype)
+  if agree is not None:  # one decision and one weight across the model shards
+    keep, w = agree(keep, w)
   return jnp.where(keep, w, jnp.zeros_like(w)), keep
 
 
@@ -178,6 +183,7 @@ def add_one(
   skip_nonfinite: bool,
   reduction: Reduction,
   accum_dtype: DType | None = None,
+  agree: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """A window of exactly one micro-batch, with no accumulator: ``(sums, total, dropped)``.
 
@@ -187,7 +193,7 @@ def add_one(
   `add` does) and cast back. Normalise them with "sum". `total` is the weight, 0 when the
   micro-batch is dropped, so a zero weight or a drop still empties the window.
   """
-  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite)
+  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite, agree)
   if weight is not None and reduction == "sum":
 
     def weigh(x):
