@@ -483,6 +483,7 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
   new_inner = _collectives.keep_sharding(optax.tree.cast_like(new_inner, inner_state), inner_state)
+  _collectives.check_state_variance(new_inner, inner_state, "accumulate")
   return finish.applied(updates, params, sums), new_inner, _close_noise(noise, sums, total)
 
 

@@ -190,6 +190,34 @@ def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
   return lax.cond(pred, join(true_fun), join(false_fun), *operands)
 
 
+PER_SHARD_STATE = (
+  "{caller}: the inner optimizer's state at {path} varies over {axes} after its update but "
+  "did not before: the optimizer computed it from one shard of a parameter sharded over "
+  "{axes} (e.g. adafactor's factored moments, which average over a dimension a shard holds "
+  "only part of), so each shard would keep its own statistics and the update would not be the "
+  "one-device result. Inside `shard_map` an optimizer sees local shards only. Run the update "
+  "where the model axes are automatic: under plain `jax.jit` with `optax_accum.data_parallel` "
+  "or `TrainStep(..., axis_name=...)` (they bind the data axis and leave the others to GSPMD), "
+  "or use an elementwise optimizer (adam, sgd, ...) inside the shard_map."
+)
+
+
+def check_state_variance(new: Any, old: Any, caller: str) -> None:
+  """Raises `PER_SHARD_STATE` if a leaf of `new` (an optimizer state after its update) varies
+  over a mapped axis its leaf in `old` did not: per-shard statistics no spec can describe.
+  The window's gradient is global over the data axes (reduced) and one value across the
+  model axes where the parameter is replicated (`agree`), so a correct state never gains
+  variance."""
+  for (path, x), o in zip(jax.tree.leaves_with_path(new), jax.tree.leaves(old), strict=True):
+    gained = vma(x) - vma(o)
+    if gained:
+      raise ValueError(
+        PER_SHARD_STATE.format(
+          caller=caller, path=jax.tree_util.keystr(path), axes=tuple(sorted(gained))
+        )
+      )
+
+
 class _Vma(NamedTuple):
   axes: frozenset
 

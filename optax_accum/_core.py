@@ -118,6 +118,7 @@ def add(
   skip_nonfinite: bool,
   restart: jax.Array | None = None,
   agree: Any = None,
+  check: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -136,12 +137,14 @@ def add(
       and writing zeros over it.
     agree: an optional ``(keep, weight) -> (keep, weight)`` that makes the drop decision and
       the weight one value across the model axes (`_collectives.Axis.agree`).
+    check: the values whose NaN/Inf drops the micro-batch (`skip_nonfinite`); None: `tree`.
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
     dropped.
   """
-  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite, agree)
+  checked = tree if check is None else check
+  w, keep = _kept_weight(checked, weight, total.dtype, skip_nonfinite, agree)
   masked = skip_nonfinite or weight is not None
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)

@@ -84,7 +84,7 @@ class _Options(NamedTuple):
   state_out: Callable[[Any], Any] | None
   accum_dtype: jnp.dtype | None
   split: Split
-  skip_nonfinite: bool
+  skip_nonfinite: bool | int | Callable[[Any], Any]  # True, False, or the deciding outputs
   return_info: bool
   noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
@@ -389,7 +389,7 @@ def microbatch(
     state_out=state_out,
     accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
-    skip_nonfinite=_check_bool(skip_nonfinite, "skip_nonfinite"),
+    skip_nonfinite=_check_skip(skip_nonfinite),
     return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
     noise=_check_noise(noise_scale),
     axis_name=axis_name,
@@ -415,6 +415,21 @@ def _check_noise(value: Any) -> Any:
       f"e.g. 1 for jax.value_and_grad) or a selector `lambda out: ...`, got {value!r}."
     )
   return int(value)
+
+
+def _check_skip(value: Any) -> bool | int | Callable[[Any], Any]:
+  """`skip_nonfinite`: a bool, an int (an output entry) or a selector of the deciding outputs."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  if callable(value):
+    return value
+  if isinstance(value, int | np.integer):
+    return int(value)
+  raise TypeError(
+    f"microbatch: skip_nonfinite must be a bool, got {value!r}; or name the outputs whose "
+    "NaN/Inf drops a micro-batch: an int (their entry in fun's output, e.g. 1 for "
+    "jax.value_and_grad's gradient) or a selector `lambda out: ...`."
+  )
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -509,7 +524,9 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
-  axes, local = pos.axis_of(), opts.axis.collectives.to_varying
+  axes = pos.axis_of()
+  # Non-array leaves (an Equinox module's functions) are held as they are (`_batch.Static`).
+  local = lambda x: opts.axis.collectives.to_varying(_batch.hide_static(x))  # noqa: E731
   a = []
   for j, x in enumerate(args):
     if j in axes:
@@ -555,6 +572,7 @@ def _call(
     a[j] = _fold_keys(args[j], i, opts.axis)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
+  a, kw = _batch.show_static((a, kw))
   out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
     return out, None
@@ -591,7 +609,8 @@ def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.P
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
-  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
+  decide = _outputs.deciding_leaves(opts.skip_nonfinite, tree, kinds)
+  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total, decide)
 
 
 def _named(pos: _batch.Positions) -> str:
@@ -725,8 +744,15 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
   if sums:  # a "sum" `fun` already reduced over the axis: warn, or raise if weights vary
     opts.axis.collectives.warn_if_reduced(sums, w, "microbatch")
   # One add for both: one weight, one finite check, one decision to drop the micro-batch.
+  check = None if plan.decide is None else [leaves[n] for n in plan.decide]
   acc, total, dropped = _core.add(
-    carry.means + carry.sums, carry.total, means + sums, w, skip_nonfinite=opts.skip_nonfinite
+    carry.means + carry.sums,
+    carry.total,
+    means + sums,
+    w,
+    skip_nonfinite=opts.skip_nonfinite is not False,
+    agree=opts.axis.collectives.agree,
+    check=check,
   )
   invalid = jnp.asarray(False) if w is None else ~_checks.valid_weight(w)
   rows = [
@@ -816,11 +842,13 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   means, local, total, invalid, skipped, (sq_sum, count) = reduced
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
-  nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
-  # An integer "sum" weighted by weight_fn stays a float (the accumulator's dtype).
-  sum_like = [
-    s if opts.weight_fn and not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)
-  ]
+  # NaN, never a finite wrong number: for invalid weights, and for a step whose micro-batches
+  # were all dropped for NaN/Inf (its sums hold nothing; zeros would look like a result).
+  void = (invalid > 0) | ((skipped > 0) & (total == 0))
+  nan = lambda x: jnp.where(void, jnp.full_like(x, jnp.nan), x)  # noqa: E731
+  # An integer or bool "sum" comes back in its accumulator's dtype: at least int32, exact (cast
+  # back to int8 or bool it would wrap); weighted by weight_fn it is a float.
+  sum_like = [s if not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)]
   values = {
     "mean": [nan(m) for m in _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")],
     "sum": [nan(s) if _is_float(s) else s for s in _core.normalise(sums, total, sum_like, "sum")],

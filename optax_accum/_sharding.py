@@ -108,11 +108,11 @@ def _stacked(path, spec: PartitionSpec, *, axes: tuple[str, ...], gathered: bool
     if not gathered:
       raise ValueError(
         f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
-        f"axis_name={stack_axis!r} (spec {spec}), so its per-device accumulator cannot be stacked "
-        "over that axis too. With `optax_accum.data_parallel` (sync='update') such a parameter "
-        "is gathered on every device and its accumulator is full-size: pass gathered=True. "
-        "For an accumulator sharded like the parameter, use accumulate(..., axis_name=None) "
-        "(one reduction per micro-step)."
+        f"axis_name={stack_axis!r} (spec {spec}) and gathered=False, but a per-device "
+        "accumulator (accumulate(..., axis_name=...)) holds full-size gradients of the gathered "
+        "parameter, as `optax_accum.data_parallel` and `TrainStep` gather it: leave gathered "
+        "unset (the optimizer decides). For an accumulator sharded like the parameter, use "
+        "accumulate(..., axis_name=None) (GSPMD reduces every micro-step)."
       )
     parts = [tuple(a for a in _names(part) if a not in axes) for part in spec]
     spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
