@@ -65,6 +65,12 @@ class TrainStep:
       window before it closes, from the noise statistics, and read back by the host once per
       update (a scalar; that read waits for the emitting program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
+
+      The parameters may hold non-array leaves (an Equinox module's activation functions and
+      static fields): they pass through as `eqx.filter_jit` holds them, the state is made from
+      the arrays only (as ``tx.init(eqx.filter(model, eqx.is_array))``), and the returned
+      parameters are the same kind of object. With `optax.lookahead` the parameters are
+      ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
@@ -160,8 +166,11 @@ class TrainStep:
     self.tx = _accumulate.transformation(self._cfg)
     # Non-array leaves of the parameters (an Equinox module's activation functions) ride as
     # `_batch.Static` nodes, as `eqx.filter_jit` holds them; the loss sees them unwrapped.
+    # `optax.lookahead`'s parameters are LookaheadParams(fast, slow): the loss is evaluated at
+    # the fast weights (its gradients are theirs).
     self._grad = jax.value_and_grad(
-      lambda p, *a: loss_fn(_batch.show_static(p), *a), has_aux=has_aux
+      lambda p, *a: loss_fn(_accumulate._gradient_like(_batch.show_static(p)), *a),
+      has_aux=has_aux,
     )
     self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import re
 
-import _reference as ref
 import chex
 import jax
 import jax.numpy as jnp
@@ -155,6 +154,7 @@ def _manual_loss(p, x, y, layout):
   return loss / lax.axis_size("fsdp") if layout == "fsdp" else loss
 
 
+@functools.cache
 def _large_batch(opt):
   """One plain optax step on the whole batch, on one device."""
   inner = INNERS[opt]()
@@ -173,6 +173,21 @@ def _groups(rest: str) -> list[list[int]]:
   m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
   if m:
     return [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
+    rest,
+  )
+  if m:  # a mesh of named axes over an iota of device ids; the groups span the axes in {...}
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    dims = [int(d) for d in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+    ids = ids.reshape([int(n) for _, n in axes])
+    over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m.group(4)]
+    rest_axes = [i for i in range(len(axes)) if i not in over]
+    size = int(np.prod([ids.shape[i] for i in over]))
+    return ids.transpose(rest_axes + over).reshape(-1, size).tolist()
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
   assert m, f"replica groups not understood: {rest[:200]}"
   ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")])))
@@ -280,9 +295,10 @@ def _run_accumulate(c: Cell):
   p = c.params()
   state = init(p)
   batches = c.batches()
-  text = step.lower(p, state, *batches[0]).compile().as_text()
+  compiled = step.lower(p, state, *batches[0]).compile()
   for x, y in batches:
-    p, state = step(p, state, x, y)
+    p, state = compiled(p, state, x, y)
+  text = compiled.as_text()
   assert int(state.gradient_step) == 1
   counts = _data_reductions(text, c.mesh)
   assert counts["all"] == 1, counts  # one program (the device conditional): one reduction
@@ -334,9 +350,9 @@ def _run_microbatch(c: Cell):
     p = c.params()
     s = jax.jit(inner.init)(p)
     x, y = c.whole_batch()
-    jitted = jax.jit(step)
-    text = jitted.lower(p, s, x, y).compile().as_text()
-    p, _ = jitted(p, s, x, y)
+    compiled = jax.jit(step).lower(p, s, x, y).compile()
+    p, _ = compiled(p, s, x, y)
+  text = compiled.as_text()
   counts = _data_reductions(text, c.mesh)
   assert counts == {"all": 1, "loop": 0}, counts
   return p
@@ -353,10 +369,21 @@ def _cell(mode, layout, front, opt):
     return RUN[front](c)
 
 
-@pytest.mark.parametrize("opt", list(INNERS))
-@pytest.mark.parametrize("front", FRONTS)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("mode", MODES)
+def _cells():
+  """Every cell. The fast suite runs one optimizer per (mode, layout, front end), rotating so
+  that each optimizer meets every mode, layout and front end there; the rest are marked slow."""
+  cells = []
+  for m, mode in enumerate(MODES):
+    for lay, layout in enumerate(LAYOUTS):
+      for f, front in enumerate(FRONTS):
+        for o, opt in enumerate(INNERS):
+          marks = () if o == (m + lay + f) % len(INNERS) else (pytest.mark.slow,)
+          name = f"{mode}-{layout}-{front}-{opt}"
+          cells.append(pytest.param(mode, layout, front, opt, marks=marks, id=name))
+  return cells
+
+
+@pytest.mark.parametrize(("mode", "layout", "front", "opt"), _cells())
 def test_layouts_matrix_cell_matches_large_batch_or_raises_clearly(mode, layout, front, opt):
   expected = EXPECTED_ERRORS.get((mode, layout, front, opt))
   if expected is not None:
