@@ -739,6 +739,10 @@ def accumulate(
       gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
+      With `axis_name`, each device decides for its own piece of the micro-batch (no collective
+      on the accumulating steps): a NaN on one device drops that device's piece only; across
+      the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
+      piece on every shard).
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:

@@ -227,7 +227,8 @@ def microbatch(
   * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`); the mean of an integer
     output is a float;
   * ``"sum"``: ``Σ wᵢ fᵢ``, weighted as in `accumulate` (with the default weights 1, the plain
-    sum; with `weight_fn`, an integer output's weighted sum is a float);
+    sum, exact in at least int32 for integer and bool outputs: an int8 sum does not wrap; with
+    `weight_fn`, an integer output's weighted sum is a float);
   * ``"concat"``: per-example rows: the output must have one row per example of the
     micro-batch (leading size ``b = B/k``), and the rows come back as ``(B, ...)`` in the
     batch's own example order, for both splits. Any other shape raises (use "stack");
@@ -240,9 +241,14 @@ def microbatch(
   micro-batch is what `reduction` says.
 
   Non-finite micro-batches (`skip_nonfinite`, default True, as in `accumulate`): a micro-batch
-  with a NaN or ±Inf in any of its "mean" or "sum" outputs is dropped: neither its values nor
-  its weight enter the sums. The other outputs are not read ("concat", "stack" and "last"
-  keep what `fun` returned; a threaded state advances). ``return_info=True`` returns the count.
+  with a NaN or ±Inf in any of its "mean" or "sum" outputs — or in those `skip_nonfinite`
+  names — is dropped: neither its values nor its weight enter the sums. The other outputs are
+  not read ("concat", "stack" and "last" keep what `fun` returned; a threaded state advances).
+  ``return_info=True`` returns the count. A step whose micro-batches were all dropped returns
+  NaN for its "mean" and "sum" outputs: never zeros that look like a result. With
+  `axis_name`, the unit dropped is one device's piece of a micro-batch (its rows of it): the
+  other devices' pieces stay, and the result is the weighted mean over the kept pieces;
+  without an axis the whole micro-batch goes.
 
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
@@ -305,8 +311,11 @@ def microbatch(
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
       "contiguous" (consecutive blocks of ``B/k`` rows).
-    skip_nonfinite: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf (see
-      above). False: they enter the sums (and the results are non-finite).
+    skip_nonfinite: True: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf
+      (see above). An int ``j`` (the output's ``j``-th entry, e.g. 1 for `jax.value_and_grad`'s
+      gradient) or a selector ``lambda out: out[1]`` (as `state_out`): only those outputs
+      decide, so a NaN in a monitoring metric stays a NaN metric and does not remove the
+      gradient. False: NaN/Inf enter the sums (and the results are non-finite).
     return_info: return ``(output, info)``, where ``info`` is a `MicrobatchInfo`:
       ``num_skipped`` (micro-batches dropped by `skip_nonfinite`; with `axis_name`, each
       device's piece counts) and ``total_weight`` (Σ wᵢ of the kept ones), both global.
