@@ -191,7 +191,7 @@ def state_partition_specs(
   ({'w': P('data', None, 'model')}, P('data',), P())
   >>> specs.inner_state[0].mu
   {'w': P(None, 'model')}
-  >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data", gathered=True)
+  >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data")  # FSDP: gathered
   >>> fsdp.acc_grads, fsdp.inner_state[0].mu
   ({'w': P('data', None)}, {'w': P('data',)})
   """

@@ -208,7 +208,7 @@ class TrainStep:
     params = _batch.none_for_static(_batch.hide_static(params))
     shardings = self._shardings(params)
     axis = self._cfg.axis.name
-    specs = state_partition_specs(self.tx, shardings, axis, gathered=True, params=params)
+    specs = state_partition_specs(self.tx, shardings, axis, params=params)
     return shardings, specs
 
   def _pin(self, params: Any) -> None:

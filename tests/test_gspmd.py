@@ -554,16 +554,16 @@ def test_fsdp_within_step_defer_or_reduce_per_micro_batch(axis_type, sync):
 
 @pytest.mark.parametrize("choice", ["defer", "per_micro_step"])
 def test_fsdp_across_steps_defer_or_reduce_per_micro_step(choice):
-  """accumulate across steps: defer = axis_name + data_parallel (full-size per-device sums,
-  ``state_partition_specs(..., gathered=True)``); per micro-step = axis_name=None under plain
-  jit (the accumulator sharded like the parameters)."""
+  """accumulate across steps: defer = axis_name + data_parallel (full-size per-device sums, which
+  `state_partition_specs` infers); per micro-step = axis_name=None under plain jit (the
+  accumulator sharded like the parameters). One decision: the axis name."""
   mesh = _mesh(AxisType.Auto)
   params = ref.mlp_params(0, FSDP_SIZES)
   shardings = _fsdp_shardings(params, mesh)
   axis = AX if choice == "defer" else None
   k = 2
   tx = optax_accum.accumulate(ref.SGD, k, axis_name=axis)
-  state_shardings = state_partition_specs(tx, shardings, axis, gathered=True)
+  state_shardings = state_partition_specs(tx, shardings, axis)
   batches = [_fsdp_batch(30 + i, D * ROWS) for i in range(k)]
 
   def train_step(params, state, batch, emit):
