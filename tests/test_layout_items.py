@@ -345,3 +345,34 @@ def test_nonfinite_piece_with_axis_drops_only_that_device_rows_regression_issue_
   keep1 = np.setdiff1d(np.arange(16), [1, 5, 9, 13])
   assert int(info1.num_skipped) == 1
   chex.assert_trees_all_close(g1, jax.grad(_loss)(params, x[keep1], y[keep1]), **EXACT)
+
+
+@pytest.mark.parametrize("name", ["adam", "masked", "lookahead", "adafactor"])
+def test_state_partition_specs_matrix_optimizers_fit_the_state(name):
+  """Every optimizer of the layout matrix: with `params=` each spec fits its leaf (placement on
+  the (data, model) mesh works for the real state); without it, the elementwise ones give the
+  same specs and adafactor raises naming `params=`."""
+  inners = {
+    "adam": optax.adam(1e-2),
+    "masked": optax.masked(optax.adam(1e-2), dict(w0=True, b0=False, w1=True, b1=False)),
+    "lookahead": optax.lookahead(optax.adam(1e-2), 1, 0.5),
+    "adafactor": optax.adafactor(1e-2, min_dim_size_to_factor=2),
+  }
+  tx = accumulate(inners[name], 2, axis_name=AX)
+  params, specs = _params(), dict(TP)
+  if name == "lookahead":
+    params, specs = optax.LookaheadParams(params, params), optax.LookaheadParams(specs, specs)
+  mesh = _mesh()
+  got = state_partition_specs(tx, specs, AX, params=params)
+  shardings = jax.tree.map(
+    lambda s: NamedSharding(mesh, s), got, is_leaf=lambda s: isinstance(s, P)
+  )
+  with jax.set_mesh(mesh):
+    state = jax.jit(optax_accum.data_parallel(tx.init, AX), out_shardings=shardings)(params)
+  assert state.acc_grads["w0"].sharding.spec == P(AX, None, "model")
+  assert state.acc_grads["w0"].shape == (4, 4, 8)
+  if name == "adafactor":
+    with pytest.raises(ValueError, match="params="):
+      state_partition_specs(tx, specs, AX)
+  else:
+    assert state_partition_specs(tx, specs, AX) == got
