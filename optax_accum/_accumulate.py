@@ -623,10 +623,20 @@ def init(cfg: Config, params: Any) -> AccumulateState:
     acc_grads=acc,
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32)),
     num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
-    inner_state=cfg.inner.init(params),
+    inner_state=_inner_init(cfg, params),
     updated=jnp.zeros((), jnp.bool_),
     noise=_per_device_noise(axis, _noise.init()) if cfg.noise else None,
   )
+
+
+def _inner_init(cfg: Config, params: Any) -> Any:
+  """The inner optimizer's initial state; inside a `shard_map`, checked for per-shard statistics
+  (`_collectives.check_init_variance`)."""
+  inner_state = cfg.inner.init(params)
+  _collectives.check_init_variance(
+    inner_state, _gradient_like(params), cfg.axis.axes, "accumulate.init"
+  )
+  return inner_state
 
 
 def update(

@@ -218,6 +218,26 @@ def check_state_variance(new: Any, old: Any, caller: str) -> None:
       )
 
 
+def check_init_variance(state: Any, params: Any, data_axes: tuple[str, ...], caller: str) -> None:
+  """Raises `PER_SHARD_STATE` if `init` made a state leaf that varies over a mapped axis other
+  than `data_axes` without having its parameter's (local) shape: statistics of one shard of a
+  sharded parameter (adafactor's factored moments), which no partition spec describes.
+  Parameter-shaped leaves (Adam's moments of a tensor-parallel weight) are that shard's piece."""
+  shapes = {tuple(p): jnp.shape(x) for p, x in jax.tree.leaves_with_path(params)}
+  for path, x in jax.tree.leaves_with_path(state):
+    gained = _extra_axes(x, data_axes)
+    if not gained:
+      continue
+    path = tuple(path)
+    owner = next((shapes[path[i:]] for i in range(len(path)) if path[i:] in shapes), None)
+    if owner != jnp.shape(x):
+      raise ValueError(
+        PER_SHARD_STATE.format(caller=caller, path=jax.tree_util.keystr(path), axes=gained).replace(
+          "after its update but did not before", "when it is made"
+        )
+      )
+
+
 class _Vma(NamedTuple):
   axes: frozenset
 
