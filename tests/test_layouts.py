@@ -310,10 +310,8 @@ def _run_train_step(c: Cell):
   p = c.params()
   batches = c.batches()
   if c.mode == "shard_map":
-    # The user's attempt: the driver inside the map.
-    c.sm(lambda p, x, y: step(p, step.tx.init(p), x, y)[2], (c.pspecs, c.bspec, c.bspec), P())(
-      p, *batches[0]
-    )
+    # The user's attempt: the driver inside the map (it refuses before it reads the state).
+    c.sm(lambda p, x, y: step(p, None, x, y)[2], (c.pspecs, c.bspec, c.bspec), P())(p, *batches[0])
     raise AssertionError("unreachable")
   state = step.init(p)
   texts = [step.lower(p, state, *batches[0], emit=e).compile().as_text() for e in (False, True)]
