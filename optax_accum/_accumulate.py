@@ -362,6 +362,7 @@ def add(
       reduction=cfg.reduction,
       accum_dtype=cfg.accum_dtype,
       finite=finite,
+      agree=cfg.axis.agree,
     )
   if cfg.unaccumulated:
     # Other devices will see this gradient through the psum: mask and weigh it like any window
@@ -375,7 +376,14 @@ def add(
     total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
   return _core.add(
-    sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart, finite=finite
+    sums,
+    total,
+    grads,
+    weight,
+    skip_nonfinite=cfg.skip_nonfinite,
+    restart=restart,
+    finite=finite,
+    agree=cfg.axis.agree,
   )
 
 
@@ -520,7 +528,8 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
+  new_inner = _collectives.keep_sharding(optax.tree.cast_like(new_inner, inner_state), inner_state)
+  _collectives.check_state_variance(new_inner, inner_state, "accumulate")
   return finish.applied(updates, params, sums), new_inner, noise
 
 
@@ -571,7 +580,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   else:
     applied = window.total > 0
     closed = Closed(
-      *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+      *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
     )
   # The noise partials stay this device's (spent: the next add restarts them).
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
@@ -615,12 +624,13 @@ def emit_dynamic(
   """
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
-    return lax.cond(emitting, close, functools.partial(keep_open, finish), window)
+    return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
     return Closed(*apply(window), jnp.asarray(True))
-  return Closed(*lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies)
+  empty = functools.partial(_no_update, finish)
+  return Closed(*_collectives.cond(applies, apply, empty, window), applies)
 
 
 def advance(
@@ -679,7 +689,7 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   acc = None
   if not cfg.unaccumulated:
     acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
-  inner_state = cfg.inner.init(params)
+  inner_state = _inner_init(cfg, params)
   if _gain.holds_gain(inner_state) and not cfg.noise:
     raise ValueError(GAIN_WITHOUT_NOISE)
   # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
@@ -694,6 +704,16 @@ def init(cfg: Config, params: Any) -> AccumulateState:
     updated=jnp.zeros((), jnp.bool_),
     noise=_per_device_noise(axis, _noise.init()) if cfg.noise else None,
   )
+
+
+def _inner_init(cfg: Config, params: Any) -> Any:
+  """The inner optimizer's initial state; inside a `shard_map`, checked for per-shard statistics
+  (`_collectives.check_init_variance`)."""
+  inner_state = cfg.inner.init(params)
+  _collectives.check_init_variance(
+    inner_state, _gradient_like(params), cfg.axis.axes, "accumulate.init"
+  )
+  return inner_state
 
 
 def update(
@@ -807,6 +827,10 @@ def accumulate(
       gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
+      With `axis_name`, each device decides for its own piece of the micro-batch (no collective
+      on the accumulating steps): a NaN on one device drops that device's piece only; across
+      the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
+      piece on every shard).
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:

@@ -132,6 +132,8 @@ def add(
   skip_nonfinite: bool,
   restart: jax.Array | None = None,
   finite: jax.Array | None = None,
+  agree: Any = None,
+  check: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -150,12 +152,17 @@ def add(
       and writing zeros over it.
     finite: whether `tree` is free of NaN/Inf, when the caller knows it already
       (`finite_from_sq_norm`); None: `all_finite` here. Read only with `skip_nonfinite`.
+    agree: an optional ``(keep, weight) -> (keep, weight)`` that makes the drop decision and
+      the weight one value across the model axes (`_collectives.Axis.agree`).
+    check: the values whose NaN/Inf drops the micro-batch (`skip_nonfinite`); None: `tree`.
+      `finite`, when given, is about these values.
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
     dropped.
   """
-  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite, finite)
+  checked = tree if check is None else check
+  w, keep = _kept_weight(checked, weight, total.dtype, skip_nonfinite, finite, agree)
   masked = skip_nonfinite or weight is not None
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
@@ -180,6 +187,7 @@ def _kept_weight(
   dtype: Any,
   skip_nonfinite: bool,
   finite: jax.Array | None = None,
+  agree: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The micro-batch's weight (0 if dropped) and whether it is kept: its weight is valid (see
   `_checks.valid_weight`) and, with `skip_nonfinite`, its values are finite (`finite`, or
@@ -192,6 +200,8 @@ def _kept_weight(
   else:
     keep = keep & _checks.valid_weight(weight)
     w = jnp.asarray(weight).astype(dtype)
+  if agree is not None:  # one decision and one weight across the model shards
+    keep, w = agree(keep, w)
   return jnp.where(keep, w, jnp.zeros_like(w)), keep
 
 
@@ -203,6 +213,7 @@ def add_one(
   reduction: Reduction,
   accum_dtype: DType | None = None,
   finite: jax.Array | None = None,
+  agree: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """A window of exactly one micro-batch, with no accumulator: ``(sums, total, dropped)``.
 
@@ -213,7 +224,7 @@ def add_one(
   micro-batch is dropped, so a zero weight or a drop still empties the window. `finite`: as
   for `add`.
   """
-  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite, finite)
+  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite, finite, agree)
   if weight is not None and reduction == "sum":
 
     def weigh(x):

@@ -84,7 +84,7 @@ class _Options(NamedTuple):
   state_out: Callable[[Any], Any] | None
   accum_dtype: jnp.dtype | None
   split: Split
-  skip_nonfinite: bool
+  skip_nonfinite: bool | int | Callable[[Any], Any]  # True, False, or the deciding outputs
   return_info: bool
   noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
@@ -227,7 +227,8 @@ def microbatch(
   * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`); the mean of an integer
     output is a float;
   * ``"sum"``: ``Σ wᵢ fᵢ``, weighted as in `accumulate` (with the default weights 1, the plain
-    sum; with `weight_fn`, an integer output's weighted sum is a float);
+    sum, exact in at least int32 for integer and bool outputs: an int8 sum does not wrap; with
+    `weight_fn`, an integer output's weighted sum is a float);
   * ``"concat"``: per-example rows: the output must have one row per example of the
     micro-batch (leading size ``b = B/k``), and the rows come back as ``(B, ...)`` in the
     batch's own example order, for both splits. Any other shape raises (use "stack");
@@ -240,9 +241,14 @@ def microbatch(
   micro-batch is what `reduction` says.
 
   Non-finite micro-batches (`skip_nonfinite`, default True, as in `accumulate`): a micro-batch
-  with a NaN or ±Inf in any of its "mean" or "sum" outputs is dropped: neither its values nor
-  its weight enter the sums. The other outputs are not read ("concat", "stack" and "last"
-  keep what `fun` returned; a threaded state advances). ``return_info=True`` returns the count.
+  with a NaN or ±Inf in any of its "mean" or "sum" outputs — or in those `skip_nonfinite`
+  names — is dropped: neither its values nor its weight enter the sums. The other outputs are
+  not read ("concat", "stack" and "last" keep what `fun` returned; a threaded state advances).
+  ``return_info=True`` returns the count. A step whose micro-batches were all dropped returns
+  NaN for its "mean" and "sum" outputs: never zeros that look like a result. With
+  `axis_name`, the unit dropped is one device's piece of a micro-batch (its rows of it): the
+  other devices' pieces stay, and the result is the weighted mean over the kept pieces;
+  without an axis the whole micro-batch goes.
 
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
@@ -305,8 +311,11 @@ def microbatch(
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
       "contiguous" (consecutive blocks of ``B/k`` rows).
-    skip_nonfinite: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf (see
-      above). False: they enter the sums (and the results are non-finite).
+    skip_nonfinite: True: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf
+      (see above). An int ``j`` (the output's ``j``-th entry, e.g. 1 for `jax.value_and_grad`'s
+      gradient) or a selector ``lambda out: out[1]`` (as `state_out`): only those outputs
+      decide, so a NaN in a monitoring metric stays a NaN metric and does not remove the
+      gradient. False: NaN/Inf enter the sums (and the results are non-finite).
     return_info: return ``(output, info)``, where ``info`` is a `MicrobatchInfo`:
       ``num_skipped`` (micro-batches dropped by `skip_nonfinite`; with `axis_name`, each
       device's piece counts) and ``total_weight`` (Σ wᵢ of the kept ones), both global.
@@ -389,7 +398,7 @@ def microbatch(
     state_out=state_out,
     accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
-    skip_nonfinite=_check_bool(skip_nonfinite, "skip_nonfinite"),
+    skip_nonfinite=_check_skip(skip_nonfinite),
     return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
     noise=_check_noise(noise_scale),
     axis_name=axis_name,
@@ -427,6 +436,21 @@ def _check_noise_once(leaves: tuple[int, ...]) -> None:
       "each leaf of the gradient once (e.g. noise_scale=1 for jax.value_and_grad's (value, "
       "grad), or `lambda out: out[1]`), or T and Q would count them twice."
     )
+
+
+def _check_skip(value: Any) -> bool | int | Callable[[Any], Any]:
+  """`skip_nonfinite`: a bool, an int (an output entry) or a selector of the deciding outputs."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  if callable(value):
+    return value
+  if isinstance(value, int | np.integer):
+    return int(value)
+  raise TypeError(
+    f"microbatch: skip_nonfinite must be a bool, got {value!r}; or name the outputs whose "
+    "NaN/Inf drops a micro-batch: an int (their entry in fun's output, e.g. 1 for "
+    "jax.value_and_grad's gradient) or a selector `lambda out: ...`."
+  )
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -521,7 +545,9 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
-  axes, local = pos.axis_of(), opts.axis.collectives.to_varying
+  axes = pos.axis_of()
+  # Non-array leaves (an Equinox module's functions) are held as they are (`_batch.Static`).
+  local = lambda x: opts.axis.collectives.to_varying(_batch.hide_static(x))  # noqa: E731
   a = []
   for j, x in enumerate(args):
     if j in axes:
@@ -567,6 +593,7 @@ def _call(
     a[j] = _fold_keys(args[j], i, opts.axis)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
+  a, kw = _batch.show_static((a, kw))
   out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
     return out, None
@@ -604,7 +631,8 @@ def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.P
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
   _check_noise_once(noise)
-  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
+  decide = _outputs.deciding_leaves(opts.skip_nonfinite, tree, kinds)
+  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total, decide)
 
 
 def _named(pos: _batch.Positions) -> str:
@@ -738,8 +766,15 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
   if sums:  # a "sum" `fun` already reduced over the axis: warn, or raise if weights vary
     opts.axis.collectives.warn_if_reduced(sums, w, "microbatch")
   # One add for both: one weight, one finite check, one decision to drop the micro-batch.
+  check = None if plan.decide is None else [leaves[n] for n in plan.decide]
   acc, total, dropped = _core.add(
-    carry.means + carry.sums, carry.total, means + sums, w, skip_nonfinite=opts.skip_nonfinite
+    carry.means + carry.sums,
+    carry.total,
+    means + sums,
+    w,
+    skip_nonfinite=opts.skip_nonfinite is not False,
+    agree=opts.axis.collectives.agree,
+    check=check,
   )
   invalid = jnp.asarray(False) if w is None else ~_checks.valid_weight(w)
   rows = [
@@ -852,11 +887,13 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
     partials = _noise.once(partials, _axis_size(opts.axis))
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
-  nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
-  # An integer "sum" weighted by weight_fn stays a float (the accumulator's dtype).
-  sum_like = [
-    s if opts.weight_fn and not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)
-  ]
+  # NaN, never a finite wrong number: for invalid weights, and for a step whose micro-batches
+  # were all dropped for NaN/Inf (its sums hold nothing; zeros would look like a result).
+  void = (invalid > 0) | ((skipped > 0) & (total == 0))
+  nan = lambda x: jnp.where(void, jnp.full_like(x, jnp.nan), x)  # noqa: E731
+  # An integer or bool "sum" comes back in its accumulator's dtype: at least int32, exact (cast
+  # back to int8 or bool it would wrap); weighted by weight_fn it is a float.
+  sum_like = [s if not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)]
   values = {
     "mean": [nan(m) for m in _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")],
     "sum": [nan(s) if _is_float(s) else s for s in _core.normalise(sums, total, sum_like, "sum")],

@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _checks, _gspmd, _noise, _sharding
+from optax_accum import _accumulate, _batch, _checks, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
@@ -84,6 +84,12 @@ class TrainStep:
       window before it closes, from the noise statistics, and read back by the host once per
       update (a scalar; that read waits for the emitting program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
+
+      The parameters may hold non-array leaves (an Equinox module's activation functions and
+      static fields): they pass through as `eqx.filter_jit` holds them, the state is made from
+      the arrays only (as ``tx.init(eqx.filter(model, eqx.is_array))``), and the returned
+      parameters are the same kind of object. With `optax.lookahead` the parameters are
+      ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
@@ -177,7 +183,14 @@ class TrainStep:
       raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
     self.every_k = every_k
     self.tx = _accumulate.transformation(self._cfg)
-    self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    # Non-array leaves of the parameters (an Equinox module's activation functions) ride as
+    # `_batch.Static` nodes, as `eqx.filter_jit` holds them; the loss sees them unwrapped.
+    # `optax.lookahead`'s parameters are LookaheadParams(fast, slow): the loss is evaluated at
+    # the fast weights (its gradients are theirs).
+    self._grad = jax.value_and_grad(
+      lambda p, *a: loss_fn(_accumulate._gradient_like(_batch.show_static(p)), *a),
+      has_aux=has_aux,
+    )
     self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:
       grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
@@ -213,9 +226,10 @@ class TrainStep:
 
   def _state_shardings(self, params: Any) -> tuple[Any, Any]:
     """The parameters' shardings and the state's (`state_partition_specs`)."""
+    params = _batch.none_for_static(_batch.hide_static(params))
     shardings = self._shardings(params)
     axis = self._cfg.axis.name
-    specs = state_partition_specs(self.tx, shardings, axis, gathered=True, params=params)
+    specs = state_partition_specs(self.tx, shardings, axis, params=params)
     return shardings, specs
 
   def _pin(self, params: Any) -> None:
@@ -224,7 +238,8 @@ class TrainStep:
     parameters and their optimizer state must leave it sharded as they came in."""
     if self._pinned or not self._binds_here():
       return
-    shardings, specs = self._state_shardings(params)
+    _, specs = self._state_shardings(params)
+    shardings = self._shardings(_batch.hide_static(params))
     rep = P() if self._mesh is None else NamedSharding(self._mesh, P())
     self._programs = self._jit(out_shardings=(shardings, specs, _NO_BUFFER, rep))
     self._pinned = True
@@ -233,6 +248,7 @@ class TrainStep:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
+    params = _batch.none_for_static(_batch.hide_static(params))  # arrays only, as eqx.filter
     if not self._binds_here():
       return self.tx.init(params)
     self._pin(params)
@@ -293,7 +309,10 @@ class TrainStep:
     the device-varying view to differentiate, `replicated` the parameters to update."""
     cfg = self._cfg
     value, grads = self._grad(params, *args)
-    params = params if replicated is None else replicated
+    # optax.lookahead's parameters are LookaheadParams(fast, slow); its gradients the fast ones.
+    grads = _batch.none_for_static(_accumulate._gradient_like(grads))
+    hidden = params if replicated is None else replicated
+    params = _batch.none_for_static(hidden)
     # Returning the gradients as the (donated) buffer's new value makes XLA compute them
     # straight into it: they stop being temporary memory.
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
@@ -311,16 +330,23 @@ class TrainStep:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
       closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
       params, sums = closed.out
+      params = _batch.restore_static(params, hidden)
     else:
       closed = _accumulate.keep_open(_accumulate.APPLY, window)
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
-    return params, state, grad_buffer, value
+    return (params if emit else hidden), state, grad_buffer, value
+
+  def _grads_of(self, params: Any, args: tuple) -> Any:
+    """The gradients as `_micro_step` takes them (arrays only; lookahead's fast weights')."""
+    grads = self._grad(params, *args)[1]
+    return _batch.none_for_static(_accumulate._gradient_like(grads))
 
   def _buffer(self, params: Any, args: tuple) -> Any:
     """The gradient buffer, made on first use with the gradients' shapes and dtypes, placed
     like the parameters (a gradient has its parameter's sharding)."""
     if self._grad_buffer is None:
-      types = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+      types = jax.eval_shape(self._grads_of, params, args)
+      params = _accumulate._gradient_like(_batch.none_for_static(params))
       self._grad_buffer = jax.tree.map(
         lambda t, p: jnp.zeros(t.shape, t.dtype, device=getattr(p, "sharding", None)),
         types,
@@ -350,9 +376,11 @@ class TrainStep:
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
+    params = _batch.hide_static(params)
     params, state, self._grad_buffer, value = self._dispatch(
       emit, params, state, self._buffer(params, args), args, weight
     )
+    params = _batch.show_static(params)
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
@@ -429,9 +457,10 @@ class TrainStep:
     3.0
     """
     self._pin(params)
+    params = _batch.hide_static(params)
     buffer = self._grad_buffer
     if buffer is None:
-      buffer = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+      buffer = jax.eval_shape(self._grads_of, params, args)
     self._compiled[_signature(args, weight)] = self._compile_both(
       params, state, buffer, args, weight
     )
@@ -440,7 +469,8 @@ class TrainStep:
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
     self._pin(params)
+    params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
-      grad_buffer = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+      grad_buffer = jax.eval_shape(self._grads_of, params, args)
     return self._programs[emit].lower(params, state, grad_buffer, args, weight, emit=emit)
