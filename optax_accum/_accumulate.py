@@ -339,7 +339,15 @@ def sq_norm(cfg: Config, grads: Any) -> jax.Array | None:
   """With the noise statistics, the micro-batch's ``Σ|g|²`` (`_noise.sq_norm`), read once: it
   is both the noise statistics' term and the finite check (`_core.finite_from_sq_norm`).
   None without them."""
-  return _noise.sq_norm(grads) if cfg.noise else None
+  return _noise.sq_norm(grads, _over_shards(cfg)) if cfg.noise else None
+
+
+def _over_shards(cfg: Config) -> Any:
+  """How per-leaf squares add up to the whole gradient's under an axis whose map has other
+  axes that shard the parameters (tensor parallelism): a model shard's slice is not the whole
+  leaf (`_collectives.Axis.sum_over_shards`, one scalar all-reduce over those axes, none
+  without them). None without an axis."""
+  return None if cfg.axis.name is None else cfg.axis.sum_over_shards
 
 
 def add(
@@ -353,7 +361,7 @@ def add(
   its `sq_norm`, which then serves as the finite check)."""
   finite = None
   if sq is not None and cfg.skip_nonfinite and SQ_NORM_IS_FINITE_CHECK:
-    finite = _core.finite_from_sq_norm(sq, grads)
+    finite = _core.finite_from_sq_norm(sq, grads, _collectives.cond)
   if cfg.unaccumulated and not cfg.axis.stacks:
     return _core.add_one(
       grads,
@@ -522,7 +530,7 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   partials), then the inner update on the window's mean, finished (see `Finish`); a
   `scale_by_gain` inside reads the closed statistics."""
   sums, total, inner_state, params, extra, noise = window
-  noise = _close_noise(noise, sums, total)
+  noise = _close_noise(noise, sums, total, _over_shards(cfg))
   extra = _with_figures(extra, inner_state, _figures(noise))
   g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
@@ -549,13 +557,13 @@ def _with_figures(extra: dict, inner_state: Any, figures: Any) -> dict:
   return {**extra, _gain.WINDOW_ARG: figures}
 
 
-def _close_noise(noise: Any, sums: Any, total: jax.Array) -> Any:
+def _close_noise(noise: Any, sums: Any, total: jax.Array, over_shards: Any = None) -> Any:
   """The window's estimates into the noise EMAs: ``|ḡ|²`` of the mean ``Σ wᵢgᵢ / W`` from the
   sums (one more read of them, on the emitting step only)."""
   if noise is None:
     return None
   inv = 1 / jnp.where(total > 0, total, jnp.ones_like(total))
-  mean_sq = _noise.sq_norm(sums) * jnp.square(inv)
+  mean_sq = _noise.sq_norm(sums, over_shards) * jnp.square(inv)
   return _noise.close(noise, mean_sq, *_noise.partials(noise))
 
 

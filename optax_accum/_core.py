@@ -78,18 +78,18 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags)
 
 
-def finite_from_sq_norm(sq: jax.Array, tree: Any) -> jax.Array:
+def finite_from_sq_norm(sq: jax.Array, tree: Any, cond: Any = lax.cond) -> jax.Array:
   """`all_finite` of `tree`, given its squared norm ``sq = Σ|x|²`` (`_noise.sq_norm`).
 
   ``Σ|x|²`` is non-finite iff some element is NaN/±Inf or the sum overflows. So where it is
   finite, `tree` is finite, and the squared norm the noise statistics need anyway *is* the
   finite check: the micro-step reads each gradient once for both. Only where it is not finite
   does the exact check run (a `lax.cond`: rare, the drop decision stays exact), telling an
-  overflow of large finite values (kept) from a NaN or Inf (dropped).
+  overflow of large finite values (kept) from a NaN or Inf (dropped). `cond`: `lax.cond`, or
+  inside a map with model axes `_collectives.cond` (the exact check of a model shard varies
+  over the model axes, while a squared norm summed over the shards does not).
   """
-  return lax.cond(
-    jnp.isfinite(sq), lambda s, t: jnp.isfinite(s), lambda s, t: all_finite(t), sq, tree
-  )
+  return cond(jnp.isfinite(sq), lambda s, t: jnp.isfinite(s), lambda s, t: all_finite(t), sq, tree)
 
 
 # The scale of the check's matrix-vector product: |x|·2⁻⁶⁴ summed over any leaf that fits in

@@ -803,7 +803,15 @@ def _add_noise(opts: _Options, plan: _outputs.Plan, noise, leaves: list, w, drop
     return noise
   grads = [leaves[n] for n in plan.noise]
   pieces = 1 if _noise_reduced(opts, plan) else _axis_size(opts.axis)
-  return _noise.add(noise, grads, _noise.piece_weight(w, pieces), ~dropped)
+  sq = _noise.sq_norm(grads, _over_shards(opts))
+  return _noise.add(noise, grads, _noise.piece_weight(w, pieces), ~dropped, sq=sq)
+
+
+def _over_shards(opts: _Options) -> Any:
+  """Inside a map whose other axes shard the parameters, how per-leaf squares make the whole
+  gradient's (`_collectives.Axis.sum_over_shards`); None without a bound axis."""
+  collectives = opts.axis.collectives
+  return None if collectives.name is None else collectives.sum_over_shards
 
 
 def _axis_size(axis: _gspmd.Axis) -> Any:
@@ -911,16 +919,19 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  noise = _window_noise(plan, means, total, partials, invalid) if plan.noise else None
+  noise = _window_noise(opts, plan, means, total, partials, invalid) if plan.noise else None
   return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
 
 
-def _window_noise(plan: _outputs.Plan, means: list, total, partials, invalid) -> _noise.NoiseScale:
+def _window_noise(
+  opts: _Options, plan: _outputs.Plan, means: list, total, partials, invalid
+) -> _noise.NoiseScale:
   """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
   normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``. An invalid traced weight
   makes the weighted outputs NaN, and the figures too (never a finite wrong number)."""
   index = {n: i for i, n in enumerate(plan.where("mean"))}
-  mean_sq = _noise.sq_norm([means[index[n]] for n in plan.noise]) / jnp.square(total)
+  picked = [means[index[n]] for n in plan.noise]
+  mean_sq = _noise.sq_norm(picked, _over_shards(opts)) / jnp.square(total)
   sq_sum, count, weight = partials
   trace, grad_sq = _noise.window_stats(sq_sum, count, weight, mean_sq)
   nan = jnp.full((), jnp.nan, jnp.float32)

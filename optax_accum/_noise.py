@@ -42,6 +42,7 @@ state, and `next_k` is the window-length policy `FollowNoiseScale` that follows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -114,7 +115,7 @@ def init() -> NoiseState:
   return NoiseState(zero(), zero(), zero(), zero(), zero(), zero(), nan(), nan())
 
 
-def sq_norm(tree: Any) -> jax.Array:
+def sq_norm(tree: Any, over_shards: Callable[[list, list], jax.Array] | None = None) -> jax.Array:
   """The squared norm ``Σ |x|²`` of a pytree's floating (and complex) leaves, as float32.
 
   Each leaf is read once: the upcast (bfloat16 and float16 to float32) and the square fuse
@@ -123,6 +124,10 @@ def sq_norm(tree: Any) -> jax.Array:
 
   Args:
     tree: a pytree of arrays (a gradient).
+    over_shards: inside a map whose other axes shard the leaves (tensor parallelism), how the
+      per-leaf squares become the whole gradient's (`_collectives.Axis.sum_over_shards`: a
+      shard's square is summed over the axes that split its leaf, a replicated leaf's counts
+      once); None: the plain sum.
 
   Returns:
     A float32 scalar (0 for a tree without floating leaves).
@@ -132,7 +137,7 @@ def sq_norm(tree: Any) -> jax.Array:
   >>> _noise.sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j], jnp.complex64)})
   Array(26., dtype=float32)
   """
-  total = jnp.zeros((), _F32)
+  parts, leaves = [], []
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -142,7 +147,13 @@ def sq_norm(tree: Any) -> jax.Array:
       leaf = jnp.sum(jnp.square(x.real.astype(real)) + jnp.square(x.imag.astype(real)))
     else:
       leaf = jnp.sum(jnp.square(x.astype(real)))
-    total = total + leaf.astype(_F32)
+    parts.append(leaf.astype(_F32))
+    leaves.append(x)
+  if over_shards is not None:
+    return over_shards(parts, leaves)
+  total = jnp.zeros((), _F32)
+  for part in parts:
+    total = total + part
   return total
 
 

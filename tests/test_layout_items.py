@@ -65,9 +65,9 @@ def _sgd_reference(params, xs, ys, lr):
 # Item 1: shard_map over (data, model) with tensor-parallel parameters.
 
 
-def _tp_accumulate(emit_static, poison=None, k=2, rows=8, lr=0.5):
+def _tp_accumulate(emit_static, poison=None, k=2, rows=8, lr=0.5, noise_scale=False):
   mesh = _mesh()
-  tx = accumulate(optax.sgd(lr), k, axis_name=AX)
+  tx = accumulate(optax.sgd(lr), k, axis_name=AX, noise_scale=noise_scale)
   sspecs = state_partition_specs(tx, TP, AX)
   params = _params()
   xs, ys = zip(*[_data(rows, seed=10 + i) for i in range(k)], strict=True)
@@ -133,6 +133,41 @@ def test_sum_over_shards_counts_model_slices_once_regression_issue_24_item_1():
 
   got = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(TP,), out_specs=P()))(g)
   np.testing.assert_allclose(float(got), want, rtol=1e-6)
+
+
+def _data_only_noise(k=2, rows=8, lr=0.5):
+  """The window's noise figures of `_tp_accumulate`'s run on a 1-D data mesh of the same 4 data
+  devices, with replicated parameters: the same pieces, no model axis."""
+  mesh = jax.make_mesh((4,), (AX,), axis_types=(AxisType.Auto,))
+  tx = accumulate(optax.sgd(lr), k, axis_name=AX, noise_scale=True)
+  sspecs = state_partition_specs(tx, P(), AX)
+  xs, ys = zip(*[_data(rows, seed=10 + i) for i in range(k)], strict=True)
+
+  def step(p, s, x, y):
+    u, s = tx.update(jax.grad(_loss)(lax.pcast(p, AX, to="varying"), x, y), s, p)
+    return optax.apply_updates(p, u), s
+
+  sm = lambda f, i, o: jax.shard_map(f, mesh=mesh, in_specs=i, out_specs=o)  # noqa: E731
+  p = _params()
+  state = jax.jit(sm(tx.init, (P(),), sspecs))(p)
+  f = jax.jit(sm(step, (P(), sspecs, P(AX), P(AX)), (P(), sspecs)))
+  for i in range(k):
+    p, state = f(p, state, xs[i], ys[i])
+  return optax_accum.noise_scale(state)
+
+
+def test_shard_map_data_by_model_noise_partials_are_whole_regression_issue_24_item_1():
+  """With tensor-parallel parameters, each micro-batch's |g|² and the window's |ḡ|² are the
+  whole gradient's (summed over the model shards, a replicated leaf once): T and Q on the
+  (data, model) mesh are those of the same data devices with no model axis."""
+  *_, state = _tp_accumulate(True, noise_scale=True)[:2]
+  got = optax_accum.noise_scale(state)
+  want = _data_only_noise()
+  assert np.all(np.isfinite(np.asarray(want.window_trace_cov)))
+  for name in ("window_trace_cov", "window_grad_sq", "trace_cov", "grad_sq"):
+    np.testing.assert_allclose(
+      np.asarray(getattr(got, name)), np.asarray(getattr(want, name)), rtol=1e-5, err_msg=name
+    )
 
 
 # ----------------------------------------------------------------------------------------------
