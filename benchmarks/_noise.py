@@ -8,7 +8,7 @@ gradient, one of the window's mean at emission and a few float32 scalars of stat
 figures are the time per micro-step with / without, the compiled temp bytes with − without
 (program by program) and the optimizer-state bytes with − without.
 
-Before anything is reported, all four contenders must land where Adam on the large batch does
+Before anything is reported, all six contenders must land where Adam on the large batch does
 (`_cross.check_agreement`, which also warms them up), and after the timed steps each pair must
 still agree and the ``noise_scale=True`` contender must have measured something (finite window
 estimates). k = 1 is left out: a window of one micro-batch measures nothing.
@@ -16,6 +16,7 @@ estimates). k = 1 is left out: a window of one micro-batch measures nothing.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -25,23 +26,65 @@ import optax
 import optax_accum
 from benchmarks import _cross as X
 from benchmarks import _harness as H
+from optax_accum import _accumulate
 
 PATHS = ("accumulate (protocol)", "TrainStep")
 WITH = " + noise_scale"
+BEFORE = " + noise_scale (separate finite check)"
 
 
-def make_pairs(model, params, k: int, micro: list) -> dict[str, tuple[X.Contender, X.Contender]]:
-  """{path: (without, with)} contenders, each pair identical but for ``noise_scale=True``."""
+@contextlib.contextmanager
+def _separate_finite_check():
+  """Traces with the earlier spelling: the finite check a pass of its own beside ``Σ|g|²``."""
+  old = _accumulate.SQ_NORM_IS_FINITE_CHECK
+  _accumulate.SQ_NORM_IS_FINITE_CHECK = False
+  try:
+    yield
+  finally:
+    _accumulate.SQ_NORM_IS_FINITE_CHECK = old
+
+
+def _traced_before(tx: optax.GradientTransformationExtraArgs) -> Any:
+  def update(*args, **kwargs):
+    with _separate_finite_check():  # runs while jax traces the step
+      return tx.update(*args, **kwargs)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+class _BeforeTrainStep(optax_accum.TrainStep):
+  def _step(self, *args, **kwargs):
+    with _separate_finite_check():
+      return super()._step(*args, **kwargs)
+
+
+def _fused_before(name, model, params, k, micro) -> X.Contender:
+  with _separate_finite_check():  # the programs it compiles to read their memory figures
+    c = X.Fused(name, model.loss, params, k, micro, noise_scale=True)
+  c.helper.__class__ = _BeforeTrainStep  # and the ones it calls: traced with the flag off too
+  c.helper._programs = c.helper._jit()
+  return c
+
+
+def make_pairs(model, params, k: int, micro: list) -> dict[str, tuple[X.Contender, ...]]:
+  """{path: (without, with, before)} contenders, identical but for ``noise_scale=True`` and,
+  for `before`, the finite check as its own pass (the spelling before issue 22)."""
   adam = optax.adam(X.LR)
 
   def protocol(name, **kw):
     return X.Protocol(name, optax_accum.accumulate(adam, k, **kw), model.loss, params, k, micro)
 
+  before_tx = _traced_before(optax_accum.accumulate(adam, k, noise_scale=True))
   return {
-    PATHS[0]: (protocol("accumulate"), protocol("accumulate" + WITH, noise_scale=True)),
+    PATHS[0]: (
+      protocol("accumulate"),
+      protocol("accumulate" + WITH, noise_scale=True),
+      X.Protocol("accumulate" + BEFORE, before_tx, model.loss, params, k, micro),
+    ),
     PATHS[1]: (
       X.Fused("TrainStep", model.loss, params, k, micro),
       X.Fused("TrainStep" + WITH, model.loss, params, k, micro, noise_scale=True),
+      _fused_before("TrainStep" + BEFORE, model, params, k, micro),
     ),
   }
 
@@ -76,9 +119,9 @@ def _temp_by_program(c: X.Contender) -> dict[str, int]:
 
 def pair_row(model, k, path, pair, timings, agreement, params) -> dict[str, Any]:
   """One row of the results: a path's figures without and with the statistics."""
-  without, with_ = pair
+  without, with_, before = pair
   fig0, fig1 = X.program_figures(without), X.program_figures(with_)
-  t0, t1 = timings[without.name], timings[with_.name]
+  t0, t1, tb = timings[without.name], timings[with_.name], timings[before.name]
   temp0, temp1 = _temp_by_program(without), _temp_by_program(with_)
   temp_diff = {name: temp1[name] - temp0[name] for name in temp0}
   return {
@@ -89,6 +132,10 @@ def pair_row(model, k, path, pair, timings, agreement, params) -> dict[str, Any]
     "time_without": t0.as_dict(),
     "time_with": t1.as_dict(),
     "ratio": H.paired_ratio(t1, t0),
+    # The earlier spelling (finite check and Σ|g|² two passes), timed in the same rounds.
+    "time_before": tb.as_dict(),
+    "ratio_before": H.paired_ratio(tb, t0),
+    "before_over_with": H.paired_ratio(tb, t1),
     "temp_without": fig0["temp_bytes"],
     "temp_with": fig1["temp_bytes"],
     "temp_diff_by_program": temp_diff,
@@ -118,13 +165,15 @@ def run(model, cfg: dict, progress=None, log=print) -> list[dict[str, Any]]:
     X.check_agreement(model, params, cs, micro, windows=2 if k < 16 else 1)
     rounds = X.rounds_for(cfg, k, cfg["noise_micro_steps"])
     timings = X.time_steps(cs, k, rounds, cfg, progress)
-    for path, (without, with_) in pairs.items():
+    for path, (without, with_, before) in pairs.items():
       agreement = check_pair(without, with_, updates=-(-with_.i // k))
-      rows.append(pair_row(model, k, path, (without, with_), timings, agreement, params))
+      check_pair(without, before, updates=-(-before.i // k))
+      rows.append(pair_row(model, k, path, (without, with_, before), timings, agreement, params))
     log(
       f"[noise] {model.name} k={k}: "
       + ", ".join(
-        f"{r['path']} {r['ratio']:.3f}× (temp {r['temp_diff']:+d} B, state "
+        f"{r['path']} {r['ratio']:.3f}× (before {r['ratio_before']:.3f}×, "
+        f"temp {r['temp_diff']:+d} B, state "
         f"{r['state_diff']:+d} B, max abs Δparams {r['agreement']['max_abs']:.2g})"
         for r in rows[-len(pairs) :]
       )

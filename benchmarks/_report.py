@@ -402,7 +402,7 @@ def _noise(res: dict[str, Any]) -> list[str]:
   return [
     "## Noise scale: what `noise_scale=True` costs",
     "",
-    "Each path against itself without the statistics, the four contenders alternating step "
+    "Each path against itself without the statistics, the six contenders alternating step "
     "by step in one run on the cross-step models: the optax protocol path "
     "(`accumulate(adam, k)`, grad → update → apply) and `TrainStep`. *with / without*: the "
     "median of per-round ratios of time per micro-step. *temp Δ*: compiled temp bytes with − "
@@ -410,7 +410,9 @@ def _noise(res: dict[str, Any]) -> list[str]:
     "without. Each pair was checked to hold the same parameters after the timed steps "
     "(*params: max abs Δ*), and the statistics to have measured a window (*B_simple*: the "
     "smoothed estimate at the end, in micro-batches; synthetic data, shown only as a sign of "
-    "life). "
+    "life). *before / without*: the same with the finite check as a pass of its own beside "
+    "the squared norm (the spelling before issue 22, which made Σ|g|² the finite check), "
+    "timed in the same rounds. "
     "k = 1 is left out: a window of one micro-batch measures nothing.",
     "",
     _table(
@@ -421,6 +423,7 @@ def _noise(res: dict[str, Any]) -> list[str]:
         "ms without",
         "ms with",
         "with / without",
+        "before / without",
         "faults / step",
         "temp",
         "temp Δ",
@@ -436,6 +439,7 @@ def _noise(res: dict[str, Any]) -> list[str]:
           f"{_ms(r['time_without']['median_s'])} ±{r['time_without']['iqr_rel'] * 50:.0f}%",
           f"{_ms(r['time_with']['median_s'])} ±{r['time_with']['iqr_rel'] * 50:.0f}%",
           f"{r['ratio']:.3f}",
+          f"{r['ratio_before']:.3f}" if "ratio_before" in r else "—",
           f"{r['faults_without']:.0f} → {r['faults_with']:.0f}",
           fmt_bytes(r["temp_without"]) + (" ⚠" if r["temp_without"] > MMAP_THRESHOLD else ""),
           f"{r['temp_diff']:+d} B",

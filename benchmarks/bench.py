@@ -11,14 +11,14 @@ protocol path and `TrainStep` on the cross-step models, each against itself with
 `within` (microbatch vs
 optax.microbatching vs a Python loop vs the large batch), `precision` (bf16 accumulators),
 `emission` (dispatch share of each emission strategy; part of `cross`), `distributed`
-(all-reduces per update on 8 host devices, in a subprocess).
+(all-reduces per update on 8 host devices, in a subprocess), `compile` (`TrainStep`'s two
+programs, sequential and concurrent, against the protocol path's one: compile.md).
 
 How long: measured on a 2-core CPU shared with other jobs (2026-12-01), `--quick` took 11 min
 35 s for the cross, within and precision sections (a docs build ran beside it for 6 of those
 minutes) and 4 min 47 s for `--quick --only distributed`; an earlier, less loaded measurement
 of the whole `--quick` took 3 min 14 s. The CPU defaults take several times longer: a run's
-`results.md` header records its total (650 s for the committed run, before the second MLP was
-added).
+`results.md` header records its total (998 s for the committed CPU run).
 
 Writes results.md, results.json and PNG plots to benchmarks/results/<backend>/ (or --out;
 --quick: benchmarks/results/tmp/<backend>-quick/, ignored by git),
@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import optax  # noqa: E402
 
-from benchmarks import _cross, _dp, _models, _noise, _precision, _report, _within  # noqa: E402
+from benchmarks import _compile, _cross, _dp, _models, _noise, _precision, _report, _within  # noqa: E402
 
-SECTIONS = ("cross", "noise", "within", "precision", "emission", "distributed", "dp")
+SECTIONS = ("cross", "noise", "within", "precision", "emission", "distributed", "compile", "dp")
 
 SCALES = {
   # Tiny: checks that the harness runs end to end; figures are dispatch-bound, not meaningful.
@@ -72,6 +72,8 @@ SCALES = {
     "dist_mlp": (16, 64, 64, 10),
     "dist_ks": (4, 16),
     "dist_micro": 4,
+    "compile_k": 4,
+    "compile_rounds": 2,
   },
   # CPU defaults: two MLPs of ~10M parameters at micro-batch 64 and a small transformer; an
   # activation-dominated MLP for the within-step memory figures. Two MLP shapes because a ratio
@@ -101,6 +103,8 @@ SCALES = {
     "dist_mlp": (64, 256, 256, 10),
     "dist_ks": (4, 16),
     "dist_micro": 8,
+    "compile_k": 4,
+    "compile_rounds": 3,
   },
   # Accelerators: larger models and batches, more rounds.
   "gpu": {
@@ -125,8 +129,36 @@ SCALES = {
     "dist_mlp": (64, 256, 256, 10),
     "dist_ks": (4, 16),
     "dist_micro": 8,
+    "compile_k": 4,
+    "compile_rounds": 3,
   },
 }
+# One GPU in at most 8 minutes (benchmarks/gpu.sh): the `gpu` sizes, fewer k and rounds.
+SCALES["gpu_short"] = dict(
+  SCALES["gpu"],
+  ks=(1, 4),
+  micro_steps=48,
+  min_rounds=5,
+  dispatch_windows=8,
+  noise_ks=(4,),
+  noise_micro_steps=96,
+  within_ks=(1, 4, 16, 64),
+  within_rounds=5,
+  compile_rounds=2,
+)
+# `benchmarks/gpu.sh --dry-run` on any CPU: the same sections on the smallest sizes, one round
+# of each, to know the script runs end to end (figures not meaningful).
+SCALES["gpu_dry_run"] = dict(
+  SCALES["quick"],
+  cross_models=[SCALES["quick"]["cross_models"][0], SCALES["quick"]["cross_models"][2]],
+  micro_steps=4,
+  min_rounds=1,
+  dispatch_windows=1,
+  noise_micro_steps=4,
+  within_ks=(1, 2, 4),
+  within_rounds=1,
+  compile_rounds=1,
+)
 
 
 def build_model(spec, name: str | None = None):
@@ -316,9 +348,23 @@ def main(argv=None):
     res["precision"] = _precision.run(cfg, progress=bar, log=log)
   if "distributed" in only:
     res["distributed"] = run_distributed(cfg, log)
+  if "compile" in only:
+    res["compile"] = [
+      _compile.run(model, dict(cfg, micro=micro), cfg["compile_k"], cfg["compile_rounds"], log)
+      for model, micro in models
+    ]
   bar.close()
   res["meta"]["seconds"] = time.perf_counter() - t0
   files = _report.write(res, out)
+  if res.get("compile"):
+    (out / "compile.md").write_text(
+      "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
+      f"{_compile.__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"
+      f"{_compile.markdown(res['compile'])}\n\n"
+      f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (concurrent "
+      "compilation needs a free core).\n"
+    )
+    files.append("compile.md")
   print()
   print(
     _report.markdown(

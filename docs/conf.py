@@ -6,6 +6,7 @@ Build (warnings are errors, code cells executed): ``.ci/docs``, or
 
 from __future__ import annotations
 
+import json
 import pathlib
 import sys
 
@@ -30,14 +31,24 @@ extensions = [
   "sphinx.ext.napoleon",  # Google-style Args/Returns/Raises
   "sphinx.ext.viewcode",
   "optax_accum_docs",  # docs/_ext: API reference from __all__, its coverage check, copies
+  "sphinx.ext.mathjax",
+  # MathJax 3 served from the site itself (copied into _static/mathjax/): formulas render
+  # without a network. It sets `mathjax_path`; .ci/check_site.py checks every page with math.
+  "sphinx-mathjax-offline",
 ]
 
 exclude_patterns = ["_build", "README.md", "**.ipynb_checkpoints", "jupyter_execute"]
 suppress_warnings: list[str] = []
 
 # -- MyST / MyST-NB -------------------------------------------------------------------------
-myst_enable_extensions = ["colon_fence", "dollarmath", "deflist"]
+myst_enable_extensions = ["colon_fence", "dollarmath", "deflist", "substitution"]
 myst_heading_anchors = 3
+
+# The figures the language-model guide quotes, from the committed run's results.json
+# (``{{ lm_<name> }}``): a name the run did not write is an undefined substitution, an error.
+LM_RUN = json.loads((ROOT / "benchmarks" / "results" / "lm" / "results.json").read_text())
+myst_substitutions = {f"lm_{name}": value for name, value in LM_RUN["figures"].items()}
+myst_substitutions["lm_command"] = f"`{LM_RUN['command']}`"
 
 # Every {code-cell} of a MyST page is executed on each build that reads it; an exception in a
 # cell fails the build. The notebook copied from notebooks/ is rendered with its committed
@@ -48,6 +59,7 @@ nb_execution_show_tb = True
 nb_execution_timeout = 120
 nb_execution_excludepatterns = ["_generated/notebooks/*.ipynb"]  # matched from the right
 nb_merge_streams = True
+
 
 # -- autodoc --------------------------------------------------------------------------------
 default_role = "py:obj"  # `name` in docstrings links when it names a documented object
@@ -78,3 +90,6 @@ html_theme_options = {
   "navbar_persistent": [],
 }
 html_last_updated_fmt = None
+# Wide tables scroll, code lines of 100 columns fit, figures take the page's width.
+html_static_path = ["_static"]
+html_css_files = ["optax_accum.css"]

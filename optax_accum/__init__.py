@@ -4,6 +4,7 @@ from optax_accum._accounting import dp_epsilon, dp_noise_multiplier
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
 from optax_accum._clipping import ClippedGrad, ClipStats, clipped_grad, clipped_loss
 from optax_accum._data_parallel import data_parallel
+from optax_accum._gain import GainState, progress, scale_by_gain
 from optax_accum._hlo import count_collectives
 from optax_accum._microbatch import MicrobatchInfo, microbatch
 from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
@@ -19,6 +20,7 @@ __all__ = [
   "ClippedGrad",
   "DPNoiseState",
   "FollowNoiseScale",
+  "GainState",
   "MicrobatchInfo",
   "MicrobatchPlan",
   "NoiseScale",
@@ -38,6 +40,8 @@ __all__ = [
   "microbatch",
   "noise_scale",
   "plan_microbatches",
+  "progress",
+  "scale_by_gain",
   "state_partition_specs",
 ]
 

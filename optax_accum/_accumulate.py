@@ -31,11 +31,10 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives, _core, _noise
+from optax_accum import _checks, _collectives, _core, _find, _gain, _noise
 from optax_accum._typing import AxisName, DType, Reduction
 
 EveryK = int | Callable[[jax.Array], Any] | _noise.FollowNoiseScale
@@ -46,8 +45,10 @@ class AccumulateState(NamedTuple):
 
   mini_step: jax.Array  # shape=(), dtype=jnp.int32: micro-steps taken in the open window
   gradient_step: jax.Array  # shape=(), dtype=jnp.int32: inner updates applied so far
-  # shape=(), dtype=jnp.int32: the open window's length, fixed when it opened (its every_k, or
-  # the schedule's value then); when mini_step == 0, the length the last window had.
+  # shape=(), dtype=jnp.int32: the open window's length, fixed when it opened (its every_k, the
+  # schedule's value then, or FollowNoiseScale's decision); when mini_step == 0, the length of
+  # the window that opens next, as decided when the last one closed (a configuration other than
+  # the one that made the state decides it again: `window_length`).
   window_k: jax.Array
   # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale when
   # mini_step == 0 (the closed window's sums or the updates it returned; the next micro-step
@@ -62,26 +63,12 @@ class AccumulateState(NamedTuple):
 
 def find_state(state: Any, caller: str) -> AccumulateState:
   """The one `AccumulateState` inside `state` (an `optax.chain` tuple, an `nnx.Optimizer`'s
-  state, a Flax `TrainState`, ...), with wrapped leaves (nnx Variables) unwrapped to arrays."""
-  is_state = lambda x: isinstance(x, AccumulateState)
-  found = [x for x in jax.tree.leaves(state, is_leaf=is_state) if is_state(x)]
-  if len(found) != 1:
-    raise ValueError(
-      f"{caller}: expected a state holding exactly one AccumulateState, found {len(found)} in "
-      f"a {type(state).__name__}."
-    )
-  # nnx.Optimizer wraps every array of its state in a Variable, a pytree node holding it.
-  own = {f: getattr(found[0], f) for f in found[0]._fields if f != "inner_state"}
-  return found[0]._replace(**jax.tree.map(_unwrap, own, is_leaf=_is_wrapper))
-
-
-def _is_wrapper(x: Any) -> bool:
-  return x is not None and not isinstance(x, jax.Array | np.ndarray | tuple | list | dict)
-
-
-def _unwrap(x: Any) -> Any:
-  leaves = jax.tree.leaves(x)
-  return leaves[0] if len(leaves) == 1 else x
+  state, a Flax `TrainState`, ...), its own fields unwrapped to arrays (`_find.find`)."""
+  missing = (
+    f"{caller}: expected a state holding exactly one AccumulateState, found 0 in a "
+    f"{type(state).__name__}."
+  )
+  return _find.find(state, AccumulateState, caller, missing, skip=("inner_state",))
 
 
 def has_updated(state: Any) -> jax.Array:
@@ -304,7 +291,7 @@ def _opening_length(every_k: EveryK, gradient_step: jax.Array, decided: jax.Arra
   if isinstance(every_k, int):
     return jnp.asarray(every_k, jnp.int32)
   if isinstance(every_k, _noise.FollowNoiseScale):
-    return decided
+    return every_k.clip(decided)  # a restored state's decision, within this policy's bounds
   k = jnp.asarray(every_k(gradient_step))
   if k.ndim != 0 or not jnp.issubdtype(k.dtype, jnp.integer):
     raise TypeError(
@@ -320,13 +307,18 @@ def _first_length(every_k: EveryK) -> jax.Array:
   return _opening_length(every_k, jnp.zeros((), jnp.int32), None)
 
 
-def next_length(cfg: Config, k: jax.Array, noise: Any, emitting: Any) -> jax.Array:
-  """`window_k` after this micro-step: the open window's length `k`; when a window closes
-  under `FollowNoiseScale`, the next window's, decided from the noise statistics now (so a
+def next_length(
+  cfg: Config, k: jax.Array, noise: Any, emitting: Any, gradient_step: jax.Array
+) -> jax.Array:
+  """`window_k` after this micro-step: the open window's length `k`, or, when a window closes,
+  the next window's (one meaning for every `every_k`): the int, the schedule's value at the
+  new `gradient_step`, or `FollowNoiseScale`'s decision from the noise statistics now (so a
   host driver reads it once per update)."""
-  if not isinstance(cfg.every_k, _noise.FollowNoiseScale):
-    return k
-  return jnp.where(emitting, _noise.next_k(cfg.every_k, noise, k), k).astype(jnp.int32)
+  if isinstance(cfg.every_k, _noise.FollowNoiseScale):
+    following = _noise.next_k(cfg.every_k, noise, k)
+  else:
+    following = _opening_length(cfg.every_k, gradient_step, None)
+  return jnp.where(emitting, following, k).astype(jnp.int32)
 
 
 def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
@@ -337,10 +329,39 @@ def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
   return jnp.where(state.mini_step == 0, opening, state.window_k).astype(jnp.int32)
 
 
+# With the noise statistics, their squared norm is the finite check (`add`). The benchmark of
+# what the statistics cost (`benchmarks/_noise.py`) turns this off while it traces a "before"
+# contender, the earlier spelling (a separate finite check), to time both in one run.
+SQ_NORM_IS_FINITE_CHECK = True
+
+
+def sq_norm(cfg: Config, grads: Any) -> jax.Array | None:
+  """With the noise statistics, the micro-batch's ``Σ|g|²`` (`_noise.sq_norm`), read once: it
+  is both the noise statistics' term and the finite check (`_core.finite_from_sq_norm`).
+  None without them."""
+  return _noise.sq_norm(grads, _over_shards(cfg)) if cfg.noise else None
+
+
+def _over_shards(cfg: Config) -> Any:
+  """How per-leaf squares add up to the whole gradient's under an axis whose map has other
+  axes that shard the parameters (tensor parallelism): a model shard's slice is not the whole
+  leaf (`_collectives.Axis.sum_over_shards`, one scalar all-reduce over those axes, none
+  without them). None without an axis."""
+  return None if cfg.axis.name is None else cfg.axis.sum_over_shards
+
+
 def add(
-  cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None
+  cfg: Config,
+  grads: Any,
+  state: AccumulateState,
+  weight: jax.Array | None,
+  sq: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
-  """This micro-batch into the open window: ``(sums, total, dropped)`` for this device."""
+  """This micro-batch into the open window: ``(sums, total, dropped)`` for this device (`sq`:
+  its `sq_norm`, which then serves as the finite check)."""
+  finite = None
+  if sq is not None and cfg.skip_nonfinite and SQ_NORM_IS_FINITE_CHECK:
+    finite = _core.finite_from_sq_norm(sq, grads, _collectives.cond)
   if cfg.unaccumulated and not cfg.axis.stacks:
     return _core.add_one(
       grads,
@@ -348,6 +369,8 @@ def add(
       skip_nonfinite=cfg.skip_nonfinite,
       reduction=cfg.reduction,
       accum_dtype=cfg.accum_dtype,
+      finite=finite,
+      agree=cfg.axis.agree,
     )
   if cfg.unaccumulated:
     # Other devices will see this gradient through the psum: mask and weigh it like any window
@@ -360,24 +383,60 @@ def add(
     sums = cfg.axis.this_device(state.acc_grads)
     total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
-  return _core.add(sums, total, grads, weight, skip_nonfinite=cfg.skip_nonfinite, restart=restart)
+  return _core.add(
+    sums,
+    total,
+    grads,
+    weight,
+    skip_nonfinite=cfg.skip_nonfinite,
+    restart=restart,
+    finite=finite,
+    agree=cfg.axis.agree,
+  )
 
 
 def add_noise(
-  cfg: Config, grads: Any, state: AccumulateState, weight: jax.Array | None, dropped: jax.Array
+  cfg: Config,
+  grads: Any,
+  state: AccumulateState,
+  weight: jax.Array | None,
+  dropped: jax.Array,
+  sq: jax.Array | None = None,
 ) -> Any:
-  """This micro-batch's ``w|g|²`` into the open window's noise statistics (this device's part;
-  one more read of the gradient), or None without them."""
+  """This micro-batch's ``w|g|²`` into the open window's noise statistics (this device's part),
+  or None without them. The unit of the default weight is one *global* micro-batch: under an
+  axis each device adds its share of it (`_noise.piece_weight`), unless autodiff already
+  reduced the gradients (each device then holds the whole micro-batch's)."""
   if not cfg.noise:
     return None
   ns = _with_partials(state.noise, cfg.axis.this_device(_noise.partials(state.noise)))
-  return _noise.add(ns, grads, weight, jnp.logical_not(dropped), restart=state.mini_step == 0)
+  pieces = 1 if _reduced(cfg, grads) else _axis_size(cfg)
+  w = _noise.piece_weight(weight, pieces)
+  return _noise.add(ns, grads, w, jnp.logical_not(dropped), restart=state.mini_step == 0, sq=sq)
+
+
+def _axis_size(cfg: Config) -> Any:
+  """The number of devices along the axis (the Python int 1 without one)."""
+  size = 1
+  for a in cfg.axis.axes:
+    size = size * lax.axis_size(a)
+  return size
+
+
+def _reduced(cfg: Config, grads: Any) -> bool:
+  """Gradients that autodiff already all-reduced over the axis (the same on every device:
+  `_collectives.ALREADY_REDUCED`)."""
+  if not cfg.axis.stacks or not _collectives.tracks_variance(cfg.axis.name):
+    return False
+  leaves = [x for x in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+  return bool(leaves) and not all(_collectives.is_varying(x, cfg.axis.name) for x in leaves)
 
 
 def update_types(
   cfg: Config, grads: Any, inner_state: Any, params: Any, extra_args: dict, emit: bool | None
 ) -> Any:
   """The inner optimizer's updates as `jax.ShapeDtypeStruct` leaves (traced abstractly, not run)."""
+  extra_args = _with_figures(extra_args, inner_state, _gain.WindowFigures(*[jnp.ones(())] * 3))
   try:
     return jax.eval_shape(
       lambda g, s, p: cfg.inner.update(g, s, p, **extra_args)[0], grads, inner_state, params
@@ -467,25 +526,45 @@ def fits_accumulator(cfg: Config, types: Any, sums: Any) -> bool:
 
 
 def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tuple[Any, ...]:
-  """The inner update on the window's mean, finished (see `Finish`); the window's noise
-  statistics closed (`window` holds the global sums, total and partials)."""
+  """The window's noise statistics closed (`window` holds the global sums, total and
+  partials), then the inner update on the window's mean, finished (see `Finish`); a
+  `scale_by_gain` inside reads the closed statistics."""
   sums, total, inner_state, params, extra, noise = window
+  noise = _close_noise(noise, sums, total, _over_shards(cfg))
+  extra = _with_figures(extra, inner_state, _figures(noise))
   g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
   # Some optimizers return state in the gradients' dtype (adam's mu for bf16 params and f32
   # grads); the state's dtypes are fixed by init so that it stays a valid carry.
-  new_inner = optax.tree.cast_like(new_inner, inner_state)
-  return finish.applied(updates, params, sums), new_inner, _close_noise(noise, sums, total)
+  new_inner = _collectives.keep_sharding(optax.tree.cast_like(new_inner, inner_state), inner_state)
+  _collectives.check_state_variance(new_inner, inner_state, "accumulate")
+  return finish.applied(updates, params, sums), new_inner, noise
 
 
-def _close_noise(noise: Any, sums: Any, total: jax.Array) -> Any:
+def _figures(noise: Any) -> _gain.WindowFigures | None:
+  """The closing window's figures for `scale_by_gain`: the smoothed T and Q including it, and
+  its weight in the units of the statistics (global scalars)."""
+  if noise is None:
+    return None
+  measured = _noise.scale(noise)
+  return _gain.WindowFigures(measured.trace_cov, measured.grad_sq, noise.weight)
+
+
+def _with_figures(extra: dict, inner_state: Any, figures: Any) -> dict:
+  """The inner optimizer's extra arguments, with the window's figures where it has a gain."""
+  if figures is None or not _gain.holds_gain(inner_state):
+    return extra
+  return {**extra, _gain.WINDOW_ARG: figures}
+
+
+def _close_noise(noise: Any, sums: Any, total: jax.Array, over_shards: Any = None) -> Any:
   """The window's estimates into the noise EMAs: ``|ḡ|²`` of the mean ``Σ wᵢgᵢ / W`` from the
   sums (one more read of them, on the emitting step only)."""
   if noise is None:
     return None
   inv = 1 / jnp.where(total > 0, total, jnp.ones_like(total))
-  mean_sq = _noise.sq_norm(sums) * jnp.square(inv)
-  return _noise.close(noise, mean_sq, total, *_noise.partials(noise))
+  mean_sq = _noise.sq_norm(sums, over_shards) * jnp.square(inv)
+  return _noise.close(noise, mean_sq, *_noise.partials(noise))
 
 
 def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
@@ -509,7 +588,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   else:
     applied = window.total > 0
     closed = Closed(
-      *lax.cond(applied, apply, functools.partial(_no_update, finish), window), applied
+      *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
     )
   # The noise partials stay this device's (spent: the next add restarts them).
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
@@ -520,6 +599,8 @@ def _global(cfg: Config, window: Window, like: Any) -> Window:
   all-reduce (`like`: the micro-batch gradients, for `reduce_window`)."""
   scalars = (window.total, _noise_partials(window.noise))
   sums, (total, partials) = cfg.axis.reduce_window(window.sums, scalars, like, cfg.normalisation)
+  if partials and _reduced(cfg, like):  # n copies of the same micro-batches: count them once
+    partials = _noise.once(partials, _axis_size(cfg))
   return window._replace(sums=sums, total=total, noise=_with_partials(window.noise, partials))
 
 
@@ -528,10 +609,11 @@ def _noise_partials(noise: Any) -> tuple:
 
 
 def _with_partials(noise: Any, partials: tuple) -> Any:
-  """The noise statistics with these window partials ``(sq_sum, count)``; None stays None."""
+  """The noise statistics with these window partials ``(sq_sum, count, weight)``; None stays
+  None."""
   if noise is None:
     return None
-  return noise._replace(sq_sum=partials[0], count=partials[1])
+  return noise._replace(sq_sum=partials[0], count=partials[1], weight=partials[2])
 
 
 def keep_open(finish: Finish, window: Window) -> Closed:
@@ -550,12 +632,13 @@ def emit_dynamic(
   """
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
-    return lax.cond(emitting, close, functools.partial(keep_open, finish), window)
+    return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
     return Closed(*apply(window), jnp.asarray(True))
-  return Closed(*lax.cond(applies, apply, functools.partial(_no_update, finish), window), applies)
+  empty = functools.partial(_no_update, finish)
+  return Closed(*_collectives.cond(applies, apply, empty, window), applies)
 
 
 def advance(
@@ -572,12 +655,13 @@ def advance(
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
   applied, noise = closed.applied, closed.noise
   k = window_length(cfg, state)
+  gradient_step = jnp.where(
+    applied, optax.safe_increment(state.gradient_step), state.gradient_step
+  ).astype(jnp.int32)
   return AccumulateState(
     mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
-    gradient_step=jnp.where(
-      applied, optax.safe_increment(state.gradient_step), state.gradient_step
-    ).astype(jnp.int32),
-    window_k=next_length(cfg, k, noise, emitting),
+    gradient_step=gradient_step,
+    window_k=next_length(cfg, k, noise, emitting, gradient_step),
     acc_grads=None if cfg.unaccumulated else axis.per_device(sums),
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total),
     num_skipped=axis.per_device(skipped),
@@ -598,6 +682,14 @@ def _gradient_like(params: Any) -> Any:
   return params.fast if isinstance(params, optax.LookaheadParams) else params
 
 
+GAIN_WITHOUT_NOISE = (
+  "accumulate.init: the inner optimizer holds optax_accum.scale_by_gain, which reads the "
+  "gradient noise statistics of each window, but noise_scale=False keeps none. Build it with "
+  "noise_scale=True: accumulate(inner, every_k, noise_scale=True) or TrainStep(..., "
+  "noise_scale=True) (every_k=FollowNoiseScale(...) implies it)."
+)
+
+
 def init(cfg: Config, params: Any) -> AccumulateState:
   """The initial state: an empty window (no accumulator when every_k == 1)."""
   axis = cfg.axis
@@ -605,6 +697,9 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   acc = None
   if not cfg.unaccumulated:
     acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
+  inner_state = _inner_init(cfg, params)
+  if _gain.holds_gain(inner_state) and not cfg.noise:
+    raise ValueError(GAIN_WITHOUT_NOISE)
   # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
   return AccumulateState(
     mini_step=jnp.zeros((), jnp.int32),
@@ -613,10 +708,20 @@ def init(cfg: Config, params: Any) -> AccumulateState:
     acc_grads=acc,
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32)),
     num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
-    inner_state=cfg.inner.init(params),
+    inner_state=inner_state,
     updated=jnp.zeros((), jnp.bool_),
     noise=_per_device_noise(axis, _noise.init()) if cfg.noise else None,
   )
+
+
+def _inner_init(cfg: Config, params: Any) -> Any:
+  """The inner optimizer's initial state; inside a `shard_map`, checked for per-shard statistics
+  (`_collectives.check_init_variance`)."""
+  inner_state = cfg.inner.init(params)
+  _collectives.check_init_variance(
+    inner_state, _gradient_like(params), cfg.axis.axes, "accumulate.init"
+  )
+  return inner_state
 
 
 def update(
@@ -633,8 +738,9 @@ def update(
   """`accumulate`'s update: the optax protocol, read top-down (`updates` are gradients)."""
   grads = updates
   weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
-  sums, total, dropped = add(cfg, grads, state, weight)
-  noise = add_noise(cfg, grads, state, weight, dropped)
+  sq = sq_norm(cfg, grads)
+  sums, total, dropped = add(cfg, grads, state, weight, sq)
+  noise = add_noise(cfg, grads, state, weight, dropped, sq)
   if cfg.unaccumulated:
     emit = True if cfg.axis.stacks else None  # every step closes its window
   types = update_types(cfg, grads, state.inner_state, params, extra_args, emit)
@@ -729,6 +835,10 @@ def accumulate(
       gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
+      With `axis_name`, each device decides for its own piece of the micro-batch (no collective
+      on the accumulating steps): a NaN on one device drops that device's piece only; across
+      the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
+      piece on every shard).
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:
@@ -737,9 +847,13 @@ def accumulate(
       `state_partition_specs`).
     noise_scale: keep the statistics of the gradient noise scale in the state (`noise`: a few
       float32 scalars, no parameter-sized memory): each micro-step adds ``wᵢ|gᵢ|²`` of a kept
-      micro-batch (one more read of its gradient), and the emitting step reduces those sums
-      in the all-reduce it makes anyway (scalars only) and reads the sums once more for
-      ``|ḡ|²``. Read them with `optax_accum.noise_scale(state)`. Default False: none of this.
+      micro-batch (its squared norm, which with `skip_nonfinite` is also the finite check, so
+      no extra read of the gradient), and the emitting step reduces those sums in the
+      all-reduce it makes anyway (scalars only) and reads the sums once more for ``|ḡ|²``.
+      Read them with `optax_accum.noise_scale(state)`. With the default weight the unit is
+      one global micro-batch: under `axis_name` each device's share weighs 1/n. End the
+      inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
+      gain. Default False: none of this.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.

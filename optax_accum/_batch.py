@@ -304,9 +304,23 @@ def interleave(x: jax.Array, k: int, axis: int = 0) -> jax.Array:
   if spec is None:
     return jnp.swapaxes(jnp.reshape(x, shape), axis, axis + 1).reshape(x.shape)
   # Explicit sharding: the batch axis's devices go to the rows within each block (the rows
-  # move between devices here), so that the interleaved batch is sharded as `x` was.
-  blocks = jnp.reshape(x, shape, out_sharding=PartitionSpec(*spec[:axis], None, *spec[axis:]))
+  # move between devices here), so that the interleaved batch is sharded as `x` was. Where the
+  # blocks have fewer rows than devices (k·devices > B, e.g. undoing the interleave of rows
+  # with B/k blocks), they go to the blocks instead, or, if neither divides, nowhere.
+  entry, n = spec[axis], _entry_size(x, spec[axis])
+  inner = (None, entry) if b % n == 0 else (entry, None) if k % n == 0 else (None, None)
+  blocks = jnp.reshape(
+    x, shape, out_sharding=PartitionSpec(*spec[:axis], *inner, *spec[axis + 1 :])
+  )
   return jnp.reshape(jnp.swapaxes(blocks, axis, axis + 1), x.shape, out_sharding=spec)
+
+
+def _entry_size(x: jax.Array, entry: Any) -> int:
+  """How many devices the spec entry `entry` splits an axis of `x` over (1 for None)."""
+  if entry is None:
+    return 1
+  mesh = jax.typeof(x).sharding.mesh
+  return int(np.prod([mesh.shape[a] for a in (entry if isinstance(entry, tuple) else (entry,))]))
 
 
 def zeros_split(like: Any, k: int, split: Split) -> jax.Array:
@@ -356,3 +370,69 @@ def explicit_spec(x: Any) -> PartitionSpec | None:
   if not {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))} & explicit:
     return None
   return PartitionSpec(*spec, *[None] * (len(x.shape) - len(spec)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Non-array leaves (Equinox modules' functions and static fields) pass through unchanged.
+
+
+class Static:
+  """A non-array leaf hidden from JAX: a pytree node with no children, the value its aux data.
+
+  What `eqx.filter_jit` does with such leaves: arrays are traced, everything else (activation
+  functions, Python numbers, strings) is held as it is. Wrapped, they ride through
+  `jax.eval_shape`, a loop carry and `shard_map` as part of the tree's structure. Compared by
+  identity (functions and arbitrary objects need not be hashable or comparable).
+  """
+
+  __slots__ = ("value",)
+
+  def __init__(self, value: Any):
+    self.value = value
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, Static) and other.value is self.value
+
+  def __hash__(self) -> int:
+    return id(self.value)
+
+  def __repr__(self) -> str:
+    return f"Static({self.value!r})"
+
+
+jax.tree_util.register_pytree_node(Static, lambda s: ((), s.value), lambda v, _: Static(v))
+
+
+def is_array(x: Any) -> bool:
+  """A leaf that travels as an array (JAX and NumPy arrays, as `eqx.is_array` says)."""
+  return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def hide_static(tree: Any) -> Any:
+  """`tree` with every non-array leaf wrapped in `Static` (see `show_static`)."""
+  return jax.tree.map(lambda x: x if is_array(x) else Static(x), tree)
+
+
+def show_static(tree: Any) -> Any:
+  """The inverse of `hide_static`."""
+  return jax.tree.map(
+    lambda x: x.value if isinstance(x, Static) else x, tree, is_leaf=lambda x: isinstance(x, Static)
+  )
+
+
+def none_for_static(tree: Any) -> Any:
+  """`hide_static`'s tree with each `Static` node replaced by None: the arrays-only tree, as
+  ``eqx.filter(tree, eqx.is_array)`` spells it (what an optimizer state is shaped like)."""
+  return jax.tree.map(
+    lambda x: None if isinstance(x, Static) else x, tree, is_leaf=lambda x: isinstance(x, Static)
+  )
+
+
+def restore_static(arrays: Any, hidden: Any) -> Any:
+  """The inverse of `none_for_static`: `hidden`'s `Static` nodes back where `arrays` has None."""
+  return jax.tree.map(
+    lambda h, a: h if isinstance(h, Static) else a,
+    hidden,
+    arrays,
+    is_leaf=lambda x: isinstance(x, Static),
+  )

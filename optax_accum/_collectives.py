@@ -13,6 +13,7 @@ that hold one.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, NamedTuple
 
@@ -118,6 +119,163 @@ def match_variance(tree: Any, like: Any) -> Any:
   return jax.tree.map(lambda x, t: _pcast(x, vma(t)), tree, like)
 
 
+# ----------------------------------------------------------------------------------------------
+# One value across the model axes.
+#
+# Inside a `shard_map` over (data, model) with tensor-parallel parameters, a micro-batch's
+# gradient leaves vary over "model" too: each model shard holds its own slice. Everything a
+# micro-batch decides as a whole — whether it is dropped (its finite check), its weight, its
+# noise partials — is then computed per model shard, and must be made ONE value across the
+# non-data axes (else a NaN in one shard drops the micro-batch on that shard only, and the
+# state's per-device scalars are not replicated over "model"). These helpers do it with
+# scalar collectives over those axes only, never over the data axes (whose reduction waits for
+# the update) and never parameter-sized. Under plain `jax.jit`, where the model axes are
+# automatic, the values are global already and the helpers are the identity.
+
+
+def _extra_axes(values: Any, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+  """The mapped axes (other than `data_axes`) over which any leaf of `values` varies."""
+  found = frozenset().union(*(vma(x) for x in jax.tree.leaves(values)))
+  return tuple(sorted(found - set(data_axes)))
+
+
+def agree(
+  keep: jax.Array, weight: jax.Array, data_axes: tuple[str, ...] = ()
+) -> tuple[jax.Array, jax.Array]:
+  """A micro-batch's keep flag and weight, one value across every mapped axis but `data_axes`.
+
+  The micro-batch is kept only if every shard keeps it (one NaN anywhere drops it everywhere);
+  its weight is the largest any shard computed (shards normally agree; a weight computed from
+  replicated batch values is already one value). One scalar all-reduce (a `pmax` of
+  ``[dropped, weight]``), and none when nothing varies over another axis.
+  """
+  extra = _extra_axes((keep, weight), data_axes)
+  if not extra:
+    return keep, weight
+  weight = jnp.asarray(weight)
+  both = jnp.stack([jnp.logical_not(keep).astype(weight.dtype), weight])
+  dropped, weight = lax.pmax(both, extra)
+  return dropped == 0, weight
+
+
+def sum_over_shards(parts: Any, like: Any, data_axes: tuple[str, ...] = ()) -> jax.Array:
+  """The sum of per-leaf scalar `parts` (e.g. each gradient leaf's ``|g|²``), whole across the
+  model axes: a part whose leaf in `like` varies over an axis other than `data_axes` is one
+  shard's piece, summed over those axes; a part of a leaf replicated there counts once.
+
+  Scalars only: one small all-reduce per distinct set of such axes (typically one, or none).
+  The helper for the noise statistics' partials (`_noise`), whose ``Σ wᵢ|gᵢ|²`` must not count
+  a model shard's slice as the whole gradient.
+  """
+  groups: dict[tuple[str, ...], list[jax.Array]] = {}
+  for p, x in zip(jax.tree.leaves(parts), jax.tree.leaves(like), strict=True):
+    groups.setdefault(_extra_axes(x, data_axes), []).append(jnp.asarray(p))
+  total = jnp.zeros((), jnp.float32)
+  for axes, ps in groups.items():
+    s = functools.reduce(jnp.add, ps)
+    total = total + (lax.psum(s, axes) if axes else s)
+  return total
+
+
+def cond(pred: Any, true_fun: Any, false_fun: Any, *operands: Any) -> Any:
+  """`lax.cond` whose branches may differ in device variance: each branch's outputs are cast to
+  the variance both have (e.g. zero updates, made from constants, against updates that vary
+  over a tensor-parallel "model" axis). The same as `lax.cond` where nothing is mapped."""
+  types = [jax.eval_shape(f, *operands) for f in (true_fun, false_fun)]
+  joined = jax.tree.map(lambda a, b: _Vma(vma(a) | vma(b)), *types)
+
+  def join(f):
+    return lambda *xs: jax.tree.map(lambda x, t: _pcast(x, t.axes), f(*xs), joined)
+
+  return lax.cond(pred, join(true_fun), join(false_fun), *operands)
+
+
+PER_SHARD_STATE = (
+  "{caller}: the inner optimizer's state at {path} varies over {axes} after its update but "
+  "did not before: the optimizer computed it from one shard of a parameter sharded over "
+  "{axes} (e.g. adafactor's factored moments, which average over a dimension a shard holds "
+  "only part of), so each shard would keep its own statistics and the update would not be the "
+  "one-device result. Inside `shard_map` an optimizer sees local shards only. Run the update "
+  "where the model axes are automatic: under plain `jax.jit` with `optax_accum.data_parallel` "
+  "or `TrainStep(..., axis_name=...)` (they bind the data axis and leave the others to GSPMD), "
+  "or use an elementwise optimizer (adam, sgd, ...) inside the shard_map."
+)
+
+
+def check_state_variance(new: Any, old: Any, caller: str) -> None:
+  """Raises `PER_SHARD_STATE` if a leaf of `new` (an optimizer state after its update) varies
+  over a mapped axis its leaf in `old` did not: per-shard statistics no spec can describe.
+  The window's gradient is global over the data axes (reduced) and one value across the
+  model axes where the parameter is replicated (`agree`), so a correct state never gains
+  variance."""
+  for (path, x), o in zip(jax.tree.leaves_with_path(new), jax.tree.leaves(old), strict=True):
+    gained = vma(x) - vma(o)
+    if gained:
+      raise ValueError(
+        PER_SHARD_STATE.format(
+          caller=caller, path=jax.tree_util.keystr(path), axes=tuple(sorted(gained))
+        )
+      )
+
+
+def check_init_variance(state: Any, params: Any, data_axes: tuple[str, ...], caller: str) -> None:
+  """Raises `PER_SHARD_STATE` if `init` made a state leaf that varies over a mapped axis other
+  than `data_axes` without having its parameter's (local) shape: statistics of one shard of a
+  sharded parameter (adafactor's factored moments), which no partition spec describes.
+  Parameter-shaped leaves (Adam's moments of a tensor-parallel weight) are that shard's piece."""
+  shapes = {tuple(p): jnp.shape(x) for p, x in jax.tree.leaves_with_path(params)}
+  for path, x in jax.tree.leaves_with_path(state):
+    gained = _extra_axes(x, data_axes)
+    if not gained:
+      continue
+    path = tuple(path)
+    owner = next((shapes[path[i:]] for i in range(len(path)) if path[i:] in shapes), None)
+    if owner != jnp.shape(x):
+      raise ValueError(
+        PER_SHARD_STATE.format(caller=caller, path=jax.tree_util.keystr(path), axes=gained).replace(
+          "after its update but did not before", "when it is made"
+        )
+      )
+
+
+class _Vma(NamedTuple):
+  axes: frozenset
+
+
+def keep_sharding(new: Any, old: Any) -> Any:
+  """Each leaf of `new` with the Explicit sharding of its leaf in `old`, where they differ.
+
+  A state's type must not drift between calls (it is a `lax.scan` carry, and both branches of
+  the conditional that skips the inner update return it): an optimizer may compute a leaf
+  sharded otherwise than it was placed (adafactor's factored ``v_col`` of a parameter sharded
+  over "model", placed replicated by `state_partition_specs`). Auto and unsharded leaves pass.
+  """
+
+  def one(x, o):
+    want, now = _explicit_spec(o), _explicit_spec(x)
+    if want == now or (want is None and now is None):
+      return x
+    return jax.sharding.reshard(x, want if want is not None else jax.sharding.PartitionSpec())
+
+  return jax.tree.map(one, new, old)
+
+
+def _explicit_spec(x: Any) -> Any:
+  """`x`'s spec (padded to its rank) when it is sharded over an Explicit mesh axis, else None."""
+  sharding = getattr(jax.typeof(x), "sharding", None)
+  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+  if mesh is None or spec is None or mesh.empty:
+    return None
+  explicit = {
+    n
+    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+    if t == jax.sharding.AxisType.Explicit
+  }
+  if not {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))} & explicit:
+    return None
+  return jax.sharding.PartitionSpec(*spec, *[None] * (jnp.ndim(x) - len(spec)))
+
+
 class Axis(NamedTuple):
   """A data-parallel axis (one mesh axis name or a tuple of them), resolved once per front end.
 
@@ -210,6 +368,14 @@ class Axis(NamedTuple):
       )
     warnings.warn(f"{caller}: " + ALREADY_REDUCED.format(axis=self.name), stacklevel=stacklevel)
 
+  def agree(self, keep: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`agree` over every mapped axis but this one (see the module-level function)."""
+    return agree(keep, weight, self.axes)
+
+  def sum_over_shards(self, parts: Any, like: Any) -> jax.Array:
+    """`sum_over_shards` over every mapped axis but this one."""
+    return sum_over_shards(parts, like, self.axes)
+
   def check_uniform(self, x: Any, name: str, caller: str) -> None:
     """Raises if `x` is device-varying: every device must take the same branch (the
     collective)."""
@@ -251,6 +417,13 @@ class NoAxis(NamedTuple):
 
   def warn_if_reduced(self, tree: Any, weight: Any, caller: str, stacklevel: int = 4) -> None:
     del tree, weight, caller, stacklevel
+
+  def agree(self, keep: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`agree` over every mapped axis (inside a `shard_map` with no data axis named)."""
+    return agree(keep, weight)
+
+  def sum_over_shards(self, parts: Any, like: Any) -> jax.Array:
+    return sum_over_shards(parts, like)
 
   def check_uniform(self, x: Any, name: str, caller: str) -> None:
     del x, name, caller

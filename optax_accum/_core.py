@@ -78,6 +78,20 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags)
 
 
+def finite_from_sq_norm(sq: jax.Array, tree: Any, cond: Any = lax.cond) -> jax.Array:
+  """`all_finite` of `tree`, given its squared norm ``sq = Σ|x|²`` (`_noise.sq_norm`).
+
+  ``Σ|x|²`` is non-finite iff some element is NaN/±Inf or the sum overflows. So where it is
+  finite, `tree` is finite, and the squared norm the noise statistics need anyway *is* the
+  finite check: the micro-step reads each gradient once for both. Only where it is not finite
+  does the exact check run (a `lax.cond`: rare, the drop decision stays exact), telling an
+  overflow of large finite values (kept) from a NaN or Inf (dropped). `cond`: `lax.cond`, or
+  inside a map with model axes `_collectives.cond` (the exact check of a model shard varies
+  over the model axes, while a squared norm summed over the shards does not).
+  """
+  return cond(jnp.isfinite(sq), lambda s, t: jnp.isfinite(s), lambda s, t: all_finite(t), sq, tree)
+
+
 # The scale of the check's matrix-vector product: |x|·2⁻⁶⁴ summed over any leaf that fits in
 # memory (< 2⁶⁴ elements) stays below the largest float32/float64, so only NaN/Inf can make
 # the sum non-finite. A power of two, so the products are exact or underflow (harmless).
@@ -117,6 +131,9 @@ def add(
   *,
   skip_nonfinite: bool,
   restart: jax.Array | None = None,
+  finite: jax.Array | None = None,
+  agree: Any = None,
+  check: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -133,12 +150,19 @@ def add(
       (a new window starts). Resetting lazily here, inside the same elementwise pass, is what
       lets the emitting step leave the donated accumulator alone instead of copying it out
       and writing zeros over it.
+    finite: whether `tree` is free of NaN/Inf, when the caller knows it already
+      (`finite_from_sq_norm`); None: `all_finite` here. Read only with `skip_nonfinite`.
+    agree: an optional ``(keep, weight) -> (keep, weight)`` that makes the drop decision and
+      the weight one value across the model axes (`_collectives.Axis.agree`).
+    check: the values whose NaN/Inf drops the micro-batch (`skip_nonfinite`); None: `tree`.
+      `finite`, when given, is about these values.
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
     dropped.
   """
-  w, keep = _kept_weight(tree, weight, total.dtype, skip_nonfinite)
+  checked = tree if check is None else check
+  w, keep = _kept_weight(checked, weight, total.dtype, skip_nonfinite, finite, agree)
   masked = skip_nonfinite or weight is not None
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
@@ -158,16 +182,26 @@ def add(
 
 
 def _kept_weight(
-  tree: Any, weight: jax.Array | None, dtype: Any, skip_nonfinite: bool
+  tree: Any,
+  weight: jax.Array | None,
+  dtype: Any,
+  skip_nonfinite: bool,
+  finite: jax.Array | None = None,
+  agree: Any = None,
 ) -> tuple[jax.Array, jax.Array]:
   """The micro-batch's weight (0 if dropped) and whether it is kept: its weight is valid (see
-  `_checks.valid_weight`) and, with `skip_nonfinite`, its values are finite."""
-  keep = all_finite(tree) if skip_nonfinite else jnp.asarray(True)
+  `_checks.valid_weight`) and, with `skip_nonfinite`, its values are finite (`finite`, or
+  `all_finite` of `tree` when it is None)."""
+  keep = jnp.asarray(True)
+  if skip_nonfinite:
+    keep = all_finite(tree) if finite is None else finite
   if weight is None:
     w = jnp.ones((), dtype)
   else:
     keep = keep & _checks.valid_weight(weight)
     w = jnp.asarray(weight).astype(dtype)
+  if agree is not None:  # one decision and one weight across the model shards
+    keep, w = agree(keep, w)
   return jnp.where(keep, w, jnp.zeros_like(w)), keep
 
 
@@ -178,6 +212,8 @@ def add_one(
   skip_nonfinite: bool,
   reduction: Reduction,
   accum_dtype: DType | None = None,
+  finite: jax.Array | None = None,
+  agree: Any = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """A window of exactly one micro-batch, with no accumulator: ``(sums, total, dropped)``.
 
@@ -185,9 +221,10 @@ def add_one(
   itself for "mean" (its weighted mean; no multiply and divide by the weight, which could move
   a result by an ulp) and ``w * tree`` for "sum", multiplied in the accumulator dtype (as
   `add` does) and cast back. Normalise them with "sum". `total` is the weight, 0 when the
-  micro-batch is dropped, so a zero weight or a drop still empties the window.
+  micro-batch is dropped, so a zero weight or a drop still empties the window. `finite`: as
+  for `add`.
   """
-  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite)
+  total, keep = _kept_weight(tree, weight, jnp.float32, skip_nonfinite, finite, agree)
   if weight is not None and reduction == "sum":
 
     def weigh(x):

@@ -63,6 +63,16 @@ OUTPUT_VARIES = (
   "'mean'/'sum'), or pass varying='concat' to join the devices' values along its leading axis."
 )
 
+MANUAL_SPEC = (
+  "{caller}: a sharding written inside the function names the data axis {axis!r}, which is "
+  "Manual where {caller} binds it: each device runs the function on its own rows, so a spec "
+  "there may name only the other (Explicit) mesh axes. JAX said: {error}\n"
+  "Take the batch dimension's entry from the value's own type: it is {axis!r} under plain "
+  "`jax.jit` and None inside the binding, so one spelling is right in both places, e.g.\n\n"
+  "    spec = jax.typeof(x).sharding.spec[0]   # x: the batch, sharded over {axis!r}\n"
+  "    out = jnp.einsum('bi,ij->bj', x, w, out_sharding=P(spec, None))\n"
+)
+
 SYNC_MICROBATCH_STATE = (
   "{caller}: sync='microbatch' reduces every micro-step, but argument or output{path} is "
   "per-device state (e.g. an AccumulateState of accumulate(..., axis_name={axis!r})). For one "
@@ -351,7 +361,12 @@ def run_bound(fun: Callable, ctx: Binding, pos: _batch.Positions, args, kwargs) 
     return ()
 
   sm = functools.partial(jax.shard_map, mesh=mesh, in_specs=(specs,), axis_names=set(axes))
-  jax.eval_shape(sm(probe, out_specs=()), arrays)
+  try:
+    jax.eval_shape(sm(probe, out_specs=()), arrays)
+  except ValueError as e:
+    if "of type Auto or Manual" not in str(e):
+      raise
+    raise ValueError(MANUAL_SPEC.format(caller=ctx.caller, axis=ctx.axis.entry, error=e)) from e
   return sm(body, out_specs=_out_specs(types[0], ctx))(arrays)
 
 

@@ -84,7 +84,7 @@ class _Options(NamedTuple):
   state_out: Callable[[Any], Any] | None
   accum_dtype: jnp.dtype | None
   split: Split
-  skip_nonfinite: bool
+  skip_nonfinite: bool | int | Callable[[Any], Any]  # True, False, or the deciding outputs
   return_info: bool
   noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
@@ -227,7 +227,8 @@ def microbatch(
   * ``"mean"``: ``Σ wᵢ fᵢ / Σ wᵢ`` (equal weights without `weight_fn`); the mean of an integer
     output is a float;
   * ``"sum"``: ``Σ wᵢ fᵢ``, weighted as in `accumulate` (with the default weights 1, the plain
-    sum; with `weight_fn`, an integer output's weighted sum is a float);
+    sum, exact in at least int32 for integer and bool outputs: an int8 sum does not wrap; with
+    `weight_fn`, an integer output's weighted sum is a float);
   * ``"concat"``: per-example rows: the output must have one row per example of the
     micro-batch (leading size ``b = B/k``), and the rows come back as ``(B, ...)`` in the
     batch's own example order, for both splits. Any other shape raises (use "stack");
@@ -240,9 +241,14 @@ def microbatch(
   micro-batch is what `reduction` says.
 
   Non-finite micro-batches (`skip_nonfinite`, default True, as in `accumulate`): a micro-batch
-  with a NaN or ±Inf in any of its "mean" or "sum" outputs is dropped: neither its values nor
-  its weight enter the sums. The other outputs are not read ("concat", "stack" and "last"
-  keep what `fun` returned; a threaded state advances). ``return_info=True`` returns the count.
+  with a NaN or ±Inf in any of its "mean" or "sum" outputs — or in those `skip_nonfinite`
+  names — is dropped: neither its values nor its weight enter the sums. The other outputs are
+  not read ("concat", "stack" and "last" keep what `fun` returned; a threaded state advances).
+  ``return_info=True`` returns the count. A step whose micro-batches were all dropped returns
+  NaN for its "mean" and "sum" outputs: never zeros that look like a result. With
+  `axis_name`, the unit dropped is one device's piece of a micro-batch (its rows of it): the
+  other devices' pieces stay, and the result is the weighted mean over the kept pieces;
+  without an axis the whole micro-batch goes.
 
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
@@ -305,8 +311,11 @@ def microbatch(
       each output's own dtype.
     split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
       "contiguous" (consecutive blocks of ``B/k`` rows).
-    skip_nonfinite: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf (see
-      above). False: they enter the sums (and the results are non-finite).
+    skip_nonfinite: True: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf
+      (see above). An int ``j`` (the output's ``j``-th entry, e.g. 1 for `jax.value_and_grad`'s
+      gradient) or a selector ``lambda out: out[1]`` (as `state_out`): only those outputs
+      decide, so a NaN in a monitoring metric stays a NaN metric and does not remove the
+      gradient. False: NaN/Inf enter the sums (and the results are non-finite).
     return_info: return ``(output, info)``, where ``info`` is a `MicrobatchInfo`:
       ``num_skipped`` (micro-batches dropped by `skip_nonfinite`; with `axis_name`, each
       device's piece counts) and ``total_weight`` (Σ wᵢ of the kept ones), both global.
@@ -389,7 +398,7 @@ def microbatch(
     state_out=state_out,
     accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
-    skip_nonfinite=_check_bool(skip_nonfinite, "skip_nonfinite"),
+    skip_nonfinite=_check_skip(skip_nonfinite),
     return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
     noise=_check_noise(noise_scale),
     axis_name=axis_name,
@@ -415,6 +424,33 @@ def _check_noise(value: Any) -> Any:
       f"e.g. 1 for jax.value_and_grad) or a selector `lambda out: ...`, got {value!r}."
     )
   return int(value)
+
+
+def _check_noise_once(leaves: tuple[int, ...]) -> None:
+  """Each gradient leaf once: a selector that names one twice would count its squares twice
+  (doubling T and Q)."""
+  twice = sorted({n for n in leaves if leaves.count(n) > 1})
+  if twice:
+    raise ValueError(
+      f"microbatch: noise_scale selects output leaves {twice} more than once; it must select "
+      "each leaf of the gradient once (e.g. noise_scale=1 for jax.value_and_grad's (value, "
+      "grad), or `lambda out: out[1]`), or T and Q would count them twice."
+    )
+
+
+def _check_skip(value: Any) -> bool | int | Callable[[Any], Any]:
+  """`skip_nonfinite`: a bool, an int (an output entry) or a selector of the deciding outputs."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  if callable(value):
+    return value
+  if isinstance(value, int | np.integer):
+    return int(value)
+  raise TypeError(
+    f"microbatch: skip_nonfinite must be a bool, got {value!r}; or name the outputs whose "
+    "NaN/Inf drops a micro-batch: an int (their entry in fun's output, e.g. 1 for "
+    "jax.value_and_grad's gradient) or a selector `lambda out: ...`."
+  )
 
 
 def _check_bool(value: Any, name: str) -> bool:
@@ -509,7 +545,9 @@ def _operands(args, kwargs, pos: _batch.Positions, opts: _Options) -> tuple[list
 
   Non-batch arguments become device-varying so that `jax.grad` inside `fun` stays local.
   """
-  axes, local = pos.axis_of(), opts.axis.collectives.to_varying
+  axes = pos.axis_of()
+  # Non-array leaves (an Equinox module's functions) are held as they are (`_batch.Static`).
+  local = lambda x: opts.axis.collectives.to_varying(_batch.hide_static(x))  # noqa: E731
   a = []
   for j, x in enumerate(args):
     if j in axes:
@@ -555,6 +593,7 @@ def _call(
     a[j] = _fold_keys(args[j], i, opts.axis)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
+  a, kw = _batch.show_static((a, kw))
   out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
     return out, None
@@ -591,7 +630,9 @@ def _plan(opts: _Options, pos, operands, state0: tuple, size: int) -> _outputs.P
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
-  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total)
+  _check_noise_once(noise)
+  decide = _outputs.deciding_leaves(opts.skip_nonfinite, tree, kinds)
+  return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total, decide)
 
 
 def _named(pos: _batch.Positions) -> str:
@@ -725,8 +766,15 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
   if sums:  # a "sum" `fun` already reduced over the axis: warn, or raise if weights vary
     opts.axis.collectives.warn_if_reduced(sums, w, "microbatch")
   # One add for both: one weight, one finite check, one decision to drop the micro-batch.
+  check = None if plan.decide is None else [leaves[n] for n in plan.decide]
   acc, total, dropped = _core.add(
-    carry.means + carry.sums, carry.total, means + sums, w, skip_nonfinite=opts.skip_nonfinite
+    carry.means + carry.sums,
+    carry.total,
+    means + sums,
+    w,
+    skip_nonfinite=opts.skip_nonfinite is not False,
+    agree=opts.axis.collectives.agree,
+    check=check,
   )
   invalid = jnp.asarray(False) if w is None else ~_checks.valid_weight(w)
   rows = [
@@ -739,15 +787,44 @@ def _body(i: jax.Array, carry: _Carry, *, opts: _Options, pos, plan: _outputs.Pl
     total=total,
     invalid=carry.invalid + invalid.astype(jnp.float32),
     skipped=carry.skipped + (dropped & ~invalid).astype(jnp.float32),
-    noise=_noise.add(carry.noise, [leaves[n] for n in plan.noise], w, ~dropped)
-    if plan.noise
-    else carry.noise,
+    noise=_add_noise(opts, plan, carry.noise, leaves, w, dropped),
     last=plan.pick(leaves, "last"),
     rows=rows,
     state=_new_state(plan, leaves, carry.state),
     operands=carry.operands,
   )
   return _collectives.match_variance(new, carry)
+
+
+def _add_noise(opts: _Options, plan: _outputs.Plan, noise, leaves: list, w, dropped):
+  """The micro-batch's gradient into the noise statistics, in units of one global micro-batch
+  by default (each device adds its share: `_noise.piece_weight`)."""
+  if not plan.noise:
+    return noise
+  grads = [leaves[n] for n in plan.noise]
+  pieces = 1 if _noise_reduced(opts, plan) else _axis_size(opts.axis)
+  sq = _noise.sq_norm(grads, _over_shards(opts))
+  return _noise.add(noise, grads, _noise.piece_weight(w, pieces), ~dropped, sq=sq)
+
+
+def _over_shards(opts: _Options) -> Any:
+  """Inside a map whose other axes shard the parameters, how per-leaf squares make the whole
+  gradient's (`_collectives.Axis.sum_over_shards`); None without a bound axis."""
+  collectives = opts.axis.collectives
+  return None if collectives.name is None else collectives.sum_over_shards
+
+
+def _axis_size(axis: _gspmd.Axis) -> Any:
+  """The number of devices along a bound axis (the Python int 1 otherwise)."""
+  size = 1
+  for a in axis.names if axis.bound else ():
+    size = size * lax.axis_size(a)
+  return size
+
+
+def _noise_reduced(opts: _Options, plan: _outputs.Plan) -> bool:
+  """The gradient `fun` returns is already reduced over the axis (the same on every device)."""
+  return any(_already_reduced(plan.like[n], opts.axis) for n in plan.noise)
 
 
 def _new_state(plan: _outputs.Plan, leaves: list[Any], state: tuple) -> tuple:
@@ -813,14 +890,18 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   reduced = opts.axis.collectives.reduce(
     (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise))
   )
-  means, local, total, invalid, skipped, (sq_sum, count) = reduced
+  means, local, total, invalid, skipped, partials = reduced
+  if plan.noise and _noise_reduced(opts, plan):  # n copies of the same gradients: once
+    partials = _noise.once(partials, _axis_size(opts.axis))
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
-  nan = lambda x: jnp.where(invalid > 0, jnp.full_like(x, jnp.nan), x)  # noqa: E731
-  # An integer "sum" weighted by weight_fn stays a float (the accumulator's dtype).
-  sum_like = [
-    s if opts.weight_fn and not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)
-  ]
+  # NaN, never a finite wrong number: for invalid weights, and for a step whose micro-batches
+  # were all dropped for NaN/Inf (its sums hold nothing; zeros would look like a result).
+  void = (invalid > 0) | ((skipped > 0) & (total == 0))
+  nan = lambda x: jnp.where(void, jnp.full_like(x, jnp.nan), x)  # noqa: E731
+  # An integer or bool "sum" comes back in its accumulator's dtype: at least int32, exact (cast
+  # back to int8 or bool it would wrap); weighted by weight_fn it is a float.
+  sum_like = [s if not _is_float(t) else t for s, t in zip(sums, sum_like, strict=True)]
   values = {
     "mean": [nan(m) for m in _core.normalise(means, total, plan.pick(plan.like, "mean"), "mean")],
     "sum": [nan(s) if _is_float(s) else s for s in _core.normalise(sums, total, sum_like, "sum")],
@@ -838,14 +919,21 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  noise = _window_noise(plan, means, total, sq_sum, count) if plan.noise else None
+  noise = _window_noise(opts, plan, means, total, partials, invalid) if plan.noise else None
   return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
 
 
-def _window_noise(plan: _outputs.Plan, means: list, total, sq_sum, count) -> _noise.NoiseScale:
+def _window_noise(
+  opts: _Options, plan: _outputs.Plan, means: list, total, partials, invalid
+) -> _noise.NoiseScale:
   """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
-  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``."""
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``. An invalid traced weight
+  makes the weighted outputs NaN, and the figures too (never a finite wrong number)."""
   index = {n: i for i, n in enumerate(plan.where("mean"))}
-  mean_sq = _noise.sq_norm([means[index[n]] for n in plan.noise]) / jnp.square(total)
-  trace, grad_sq = _noise.window_stats(sq_sum, count, total, mean_sq)
+  picked = [means[index[n]] for n in plan.noise]
+  mean_sq = _noise.sq_norm(picked, _over_shards(opts)) / jnp.square(total)
+  sq_sum, count, weight = partials
+  trace, grad_sq = _noise.window_stats(sq_sum, count, weight, mean_sq)
+  nan = jnp.full((), jnp.nan, jnp.float32)
+  trace, grad_sq = (jnp.where(invalid > 0, nan, x) for x in (trace, grad_sq))
   return _noise.NoiseScale(grad_sq, trace, trace / grad_sq, grad_sq, trace)  # nothing to smooth

@@ -18,17 +18,21 @@ weighted mean ``ḡ = Σ wᵢ gᵢ / W``:
 (``E[Σ wᵢ|gᵢ|²] = W|G|² + k·tr Σ`` and ``E[W|ḡ|²] = W|G|² + tr Σ``.) With equal weights they
 are the paper's two-batch-size formulas with B_small one micro-batch and B_big the window.
 Units: ``tr Σ`` is the covariance of one unit of weight, so B_simple is counted in units of
-the weight — micro-batches with the default weight 1, examples with example counts, tokens
-with token counts. Devices are more pieces of the same window: each adds its own partial
-``(Σ wᵢ|gᵢ|², k)`` (`partials`), and the sums across devices ride on the all-reduce that the
-window's gradient needs anyway, so 2 devices × k micro-batches give exactly the statistics of
-1 device × 2k.
+the weight — *global* micro-batches with the default weight 1, examples with example counts,
+tokens with token counts. Devices are more pieces of the same window: each adds its own
+partial ``(Σ wᵢ|gᵢ|², k, Σ wᵢ)`` (`partials`), and the sums across devices ride on the
+all-reduce that the window's gradient needs anyway, so 2 devices × k micro-batches give
+exactly the statistics of 1 device × 2k pieces of the same weights. With the default weight a
+device's piece is its share, 1/n, of a global micro-batch (`piece_weight`), so the unit does
+not depend on the layout; gradients that autodiff already all-reduced are one piece, counted
+once (`once`).
 
 B_simple is reported from exponential moving averages of T and Q taken *separately*, then
 divided (the paper's advice: the ratio of the averages, not the average of the ratios, which
 a noisy Q near zero would dominate). The cost is a few float32 scalars of state (`NoiseState`),
-one squared norm per micro-batch gradient and one of the window's mean at emission: no
-parameter-sized buffer, no extra collective.
+one squared norm per micro-batch gradient (which is also the finite check: `_core.
+finite_from_sq_norm`) and one of the window's mean at emission: no parameter-sized buffer, no
+extra collective.
 
 Who calls what: a front end calls `add` for every micro-batch (with the same `restart` as
 `_core.add`), all-reduces `partials` together with the window's sums, then `close` on the
@@ -38,13 +42,14 @@ state, and `next_k` is the window-length policy `FollowNoiseScale` that follows 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _checks
+from optax_accum import _checks, _find
 
 # The EMA decay of T and Q (one step per closed window). An EMA of decay β averages about
 # (1 + β)/(1 − β) = 39 windows at 0.95, which cuts the spread of one window's estimate about
@@ -59,12 +64,15 @@ _F32 = jnp.float32
 
 
 class NoiseState(NamedTuple):
-  """Noise-scale statistics: float32 scalars only (28 bytes), no parameter-sized buffer."""
+  """Noise-scale statistics: float32 scalars only (32 bytes), no parameter-sized buffer."""
 
   # Σ wᵢ|gᵢ|² over the open window's kept micro-batches; under an axis, this device's part.
   # Stale after `close` until the next `add` restarts it (lazy reset, as the accumulator).
   sq_sum: jax.Array  # shape=(), dtype=jnp.float32
   count: jax.Array  # shape=(), dtype=jnp.float32: kept micro-batches (per device, likewise)
+  # Σ wᵢ of the open window's kept micro-batches in units of the statistics (see `add`): the W
+  # of the estimates (per device, likewise).
+  weight: jax.Array  # shape=(), dtype=jnp.float32
   grad_sq_ema: jax.Array  # shape=(), dtype=jnp.float32: EMA of Q (divide by ema_norm)
   trace_ema: jax.Array  # shape=(), dtype=jnp.float32: EMA of T (divide by ema_norm)
   ema_norm: jax.Array  # shape=(), dtype=jnp.float32: Σ of the EMA's weights, 1 − β^t; 0: none
@@ -76,8 +84,9 @@ class NoiseScale(NamedTuple):
   """The gradient noise scale, as `noise_scale` reports it (float32 scalars).
 
   `grad_sq` and `trace_cov` are the bias-corrected EMAs of the window estimates Q and T (see
-  `optax_accum._noise`), `b_simple` their ratio, in units of the micro-batch weight
-  (micro-batches by default, examples or tokens when the weights count them). All are NaN
+  `optax_accum._noise`), `b_simple` their ratio, in units of the micro-batch weight (global
+  micro-batches by default, on any number of devices; examples or tokens when the weights
+  count them). All are NaN
   until a window with at least two kept micro-batches has closed. `b_simple` is negative or
   infinite if the smoothed `grad_sq` is not positive: the noise swamps the gradient at this
   window size, and a larger window is needed to measure it.
@@ -103,10 +112,10 @@ def init() -> NoiseState:
   # A fresh array per field: a donating step must not see one buffer twice.
   zero = lambda: jnp.zeros((), _F32)  # noqa: E731
   nan = lambda: jnp.full((), jnp.nan, _F32)  # noqa: E731
-  return NoiseState(zero(), zero(), zero(), zero(), zero(), nan(), nan())
+  return NoiseState(zero(), zero(), zero(), zero(), zero(), zero(), nan(), nan())
 
 
-def sq_norm(tree: Any) -> jax.Array:
+def sq_norm(tree: Any, over_shards: Callable[[list, list], jax.Array] | None = None) -> jax.Array:
   """The squared norm ``Σ |x|²`` of a pytree's floating (and complex) leaves, as float32.
 
   Each leaf is read once: the upcast (bfloat16 and float16 to float32) and the square fuse
@@ -115,6 +124,10 @@ def sq_norm(tree: Any) -> jax.Array:
 
   Args:
     tree: a pytree of arrays (a gradient).
+    over_shards: inside a map whose other axes shard the leaves (tensor parallelism), how the
+      per-leaf squares become the whole gradient's (`_collectives.Axis.sum_over_shards`: a
+      shard's square is summed over the axes that split its leaf, a replicated leaf's counts
+      once); None: the plain sum.
 
   Returns:
     A float32 scalar (0 for a tree without floating leaves).
@@ -124,7 +137,7 @@ def sq_norm(tree: Any) -> jax.Array:
   >>> _noise.sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j], jnp.complex64)})
   Array(26., dtype=float32)
   """
-  total = jnp.zeros((), _F32)
+  parts, leaves = [], []
   for x in jax.tree.leaves(tree):
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -134,7 +147,13 @@ def sq_norm(tree: Any) -> jax.Array:
       leaf = jnp.sum(jnp.square(x.real.astype(real)) + jnp.square(x.imag.astype(real)))
     else:
       leaf = jnp.sum(jnp.square(x.astype(real)))
-    total = total + leaf.astype(_F32)
+    parts.append(leaf.astype(_F32))
+    leaves.append(x)
+  if over_shards is not None:
+    return over_shards(parts, leaves)
+  total = jnp.zeros((), _F32)
+  for part in parts:
+    total = total + part
   return total
 
 
@@ -144,22 +163,28 @@ def add(
   weight: jax.Array | float | None,
   keep: jax.Array | bool,
   restart: jax.Array | None = None,
+  *,
+  sq: jax.Array | None = None,
 ) -> NoiseState:
-  """Adds one micro-batch gradient to the open window: ``sq_sum += w|g|²``, ``count += 1``.
+  """Adds one micro-batch gradient to the open window: ``sq_sum += w|g|²``, ``count += 1``,
+  ``weight += w``.
 
   A micro-batch counts only if it is kept and its weight is positive: a dropped one (NaN/Inf,
   an invalid weight) is selected away, never multiplied by 0, and a zero-weight one carries no
   information about the gradient (its covariance ``Σ/w`` is unbounded), so neither changes
-  ``sq_sum`` or ``count``.
+  the sums.
 
   Args:
     ns: the statistics.
     grads: this micro-batch's mean gradient, a pytree.
-    weight: its weight (a scalar; None means 1), as given to the accumulator.
+    weight: its weight in the units of the statistics (a scalar; None means 1): what the
+      caller passed, or by default `piece_weight`'s share of one global micro-batch.
     keep: a bool scalar, whether the accumulator kept this micro-batch (`_core.add`'s
       ``not dropped``).
-    restart: an optional bool scalar; where True, the open window's ``sq_sum`` and ``count``
-      are treated as 0 first (a new window opens), exactly as `_core.add`'s `restart`.
+    restart: an optional bool scalar; where True, the open window's sums are treated as 0
+      first (a new window opens), exactly as `_core.add`'s `restart`.
+    sq: ``sq_norm(grads)`` when the caller has it already (it is the finite check of
+      `_core.finite_from_sq_norm`): the gradient is then not read again.
 
   Returns:
     The updated `NoiseState`.
@@ -167,36 +192,81 @@ def add(
   >>> import jax.numpy as jnp
   >>> from optax_accum import _noise
   >>> ns = _noise.add(_noise.init(), {"w": jnp.array([1.0, 2.0])}, 2.0, True)
-  >>> float(ns.sq_sum), float(ns.count)
-  (10.0, 1.0)
+  >>> float(ns.sq_sum), float(ns.count), float(ns.weight)
+  (10.0, 1.0, 2.0)
   """
   w = jnp.ones((), _F32) if weight is None else jnp.asarray(weight).astype(_F32)
   counts = jnp.logical_and(keep, w > 0)
-  sq_sum, count = ns.sq_sum, ns.count
+  sq_sum, count, total = ns.sq_sum, ns.count, ns.weight
   if restart is not None:
-    sq_sum = jnp.where(restart, jnp.zeros_like(sq_sum), sq_sum)
-    count = jnp.where(restart, jnp.zeros_like(count), count)
-  term = jnp.where(counts, w * sq_norm(grads), jnp.zeros((), _F32))
-  return ns._replace(sq_sum=sq_sum + term, count=count + counts.astype(_F32))
+    fresh = lambda x: jnp.where(restart, jnp.zeros_like(x), x)  # noqa: E731
+    sq_sum, count, total = fresh(sq_sum), fresh(count), fresh(total)
+  sq = sq_norm(grads) if sq is None else jnp.asarray(sq).astype(_F32)
+  zero = jnp.zeros((), _F32)
+  return ns._replace(
+    sq_sum=sq_sum + jnp.where(counts, w * sq, zero),
+    count=count + counts.astype(_F32),
+    weight=total + jnp.where(counts, w, zero),
+  )
 
 
-def partials(ns: NoiseState) -> tuple[jax.Array, jax.Array]:
-  """What a device contributes to the window's statistics: its ``(sq_sum, count)``.
+def piece_weight(weight: jax.Array | None, pieces: Any) -> jax.Array | None:
+  """One device's micro-batch weight in the units of the statistics.
+
+  A weight the caller gives counts examples or tokens, whatever the layout: it is kept. The
+  default unit is one *global* micro-batch: under an axis of `pieces` devices, each device
+  holds ``1/pieces`` of it (its share of the rows), and a share's mean gradient has
+  covariance ``pieces·Σ``; weighting it ``1/pieces`` keeps ``tr Σ`` that of one global
+  micro-batch, so the same global micro-batches give the same estimates (in expectation) on
+  one device and on many.
+
+  Args:
+    weight: the caller's weight, or None (the default weight).
+    pieces: the number of devices that share one micro-batch (1 without an axis).
+
+  Returns:
+    `weight`, or ``1/pieces`` as a float32 scalar (None when `pieces` is the Python int 1).
+
+  >>> from optax_accum import _noise
+  >>> _noise.piece_weight(None, 4)
+  Array(0.25, dtype=float32)
+  """
+  if weight is not None:
+    return weight
+  if isinstance(pieces, int) and pieces == 1:
+    return None
+  return 1 / jnp.asarray(pieces, _F32)
+
+
+def partials(ns: NoiseState) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """What a device contributes to the window's statistics: its ``(sq_sum, count, weight)``.
 
   Across devices, sum each over the axis (on the all-reduce that sums the window's gradients)
-  and pass the sums to `close`.
+  and pass the sums to `close`; where the gradients were already all-reduced (every device
+  added the same ones), divide the sums by the number of devices (`once`).
 
   Args:
     ns: this device's statistics, after the window's last `add`.
 
   Returns:
-    ``(sq_sum, count)``, float32 scalars.
+    ``(sq_sum, count, weight)``, float32 scalars.
 
   >>> from optax_accum import _noise
   >>> _noise.partials(_noise.init())
-  (Array(0., dtype=float32), Array(0., dtype=float32))
+  (Array(0., dtype=float32), Array(0., dtype=float32), Array(0., dtype=float32))
   """
-  return ns.sq_sum, ns.count
+  return ns.sq_sum, ns.count, ns.weight
+
+
+def once(summed: tuple, copies: Any) -> tuple:
+  """Global partials from sums over `copies` devices that each added the same gradients
+  (already all-reduced by autodiff): they are one set of micro-batches, not `copies`.
+
+  >>> from optax_accum import _noise
+  >>> _noise.once((8.0, 4.0, 4.0), 4)
+  (2.0, 1.0, 1.0)
+  """
+  return tuple(x / copies for x in summed)
 
 
 def window_stats(
@@ -236,9 +306,9 @@ def window_stats(
 def close(
   ns: NoiseState,
   mean_sq: jax.Array,
-  total: jax.Array,
   sq_sum: jax.Array,
   count: jax.Array,
+  total: jax.Array,
   decay: float = DEFAULT_DECAY,
 ) -> NoiseState:
   """Closes a window: its estimates ``(T, Q)`` (`window_stats`) into the EMAs.
@@ -252,9 +322,9 @@ def close(
     ns: the statistics.
     mean_sq: ``|ḡ|²`` of the window's weighted mean gradient ``ḡ = Σ wᵢgᵢ / W`` (e.g.
       ``sq_norm(sums) / W²`` from the accumulator's sums).
-    total: ``W``, the window's total kept weight.
     sq_sum: ``Σ wᵢ|gᵢ|²`` of the window (`partials`, summed across devices).
     count: its number of kept micro-batches (likewise).
+    total: ``W``, the window's total kept weight in the units of the statistics (likewise).
     decay: the EMAs' decay per window, a Python float in ``[0, 1)``.
 
   Returns:
@@ -268,7 +338,7 @@ def close(
   >>> ns = _noise.init()
   >>> for g in (1.0, 3.0):
   ...   ns = _noise.add(ns, jnp.array([g]), 1.0, True)
-  >>> ns = _noise.close(ns, 4.0, 2.0, *_noise.partials(ns))
+  >>> ns = _noise.close(ns, 4.0, *_noise.partials(ns))
   >>> _noise.scale(ns).b_simple  # T = 2, Q = 3
   Array(0.6666667, dtype=float32)
   """
@@ -334,22 +404,6 @@ _NO_NOISE = (
 )
 
 
-def _holds_noise(x: Any) -> bool:
-  """A `NoiseState`, or a NamedTuple-like state with a ``noise`` field (an AccumulateState)."""
-  return isinstance(x, NoiseState) or (
-    isinstance(x, tuple) and "noise" in getattr(x, "_fields", ())
-  )
-
-
-def _unwrap(x: Any) -> Any:
-  """A plain array from a field that Flax NNX wrapped in a Variable."""
-  if isinstance(x, jax.Array | np.ndarray):
-    return x
-  if hasattr(x, "get_value"):  # flax.nnx.Variable (its `.value` is deprecated)
-    return x.get_value()
-  return getattr(x, "value", x)
-
-
 def noise_scale(state: Any) -> NoiseScale:
   """The gradient noise scale measured by ``accumulate(..., noise_scale=True)``.
 
@@ -362,35 +416,33 @@ def noise_scale(state: Any) -> NoiseScale:
   Returns:
     A `NoiseScale` of plain float32 arrays: `grad_sq` and `trace_cov` (smoothed ``|G|²`` and
     tr Σ), `b_simple` (their ratio, the simple noise scale, in units of the micro-batch
-    weight: micro-batches with the default weight 1, examples or tokens when the weights
-    count them), `window_grad_sq` and `window_trace_cov` (the last window's own estimates).
+    weight: *global* micro-batches with the default weight 1, whatever the number of devices,
+    examples or tokens when the weights count them), `window_grad_sq` and `window_trace_cov`
+    (the last window's own estimates).
     All NaN until a window with at least two kept micro-batches has closed.
 
   Raises:
-    ValueError: if `state` holds no noise statistics (``noise_scale=False``), or several.
+    ValueError: if `state` holds no noise statistics (``noise_scale=False``), or several
+      (`optax_accum._find`, shared with `has_updated` and `progress`).
 
   >>> from optax_accum import _noise
   >>> _noise.noise_scale((_noise.init(), ())).window_trace_cov
   Array(nan, dtype=float32)
   """
-  found = [x for x in jax.tree.leaves(state, is_leaf=_holds_noise) if _holds_noise(x)]
-  stats = [x if isinstance(x, NoiseState) else x.noise for x in found]
-  noisy = [s for s in stats if isinstance(s, NoiseState)]
-  if len(noisy) > 1:
-    raise ValueError(
-      f"noise_scale: found {len(noisy)} states with noise statistics in a "
-      f"{type(state).__name__}; pass the part of the state that holds the one you mean."
-    )
-  if not noisy:
-    what = (
-      f"the {type(found[0]).__name__} in this {type(state).__name__} keeps no noise "
-      "statistics (it was built with noise_scale=False)"
-      if found
-      else f"found no noise statistics in a {type(state).__name__}"
-    )
-    raise ValueError(_NO_NOISE.format(what=what))
-  ns = NoiseState(*(_unwrap(x) for x in noisy[0]))
-  return scale(ns)
+  return scale(_find.find(state, NoiseState, "noise_scale", _missing(state)))
+
+
+def _missing(state: Any) -> str:
+  """Why `state` holds no statistics: a state that keeps none (noise_scale=False), or none."""
+  holds = lambda x: isinstance(x, tuple) and "noise" in getattr(x, "_fields", ())  # noqa: E731
+  found = [x for x in jax.tree.leaves(state, is_leaf=holds) if holds(x)]
+  what = (
+    f"the {type(found[0]).__name__} in this {type(state).__name__} keeps no noise "
+    "statistics (it was built with noise_scale=False)"
+    if found
+    else f"found no noise statistics in a {type(state).__name__}"
+  )
+  return _NO_NOISE.format(what=what)
 
 
 class _FollowNoiseScaleFields(NamedTuple):
@@ -412,9 +464,13 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
   training — the batch-size ramp of GPT-3 and of Pollux, driven by the measurement. The length
   changes only at window boundaries; every window is still exactly the large batch of its
   micro-batches. Until B_simple is measured (NaN), or while it is not a positive finite number
-  (the smoothed ``|G|²`` is not positive yet), k stays where it is. Schedules inside `accumulate`
-  keep counting updates; the learning rate is not changed (scale it yourself if you want to:
-  see the guide "How large a batch?").
+  (the smoothed ``|G|²`` is not positive yet), k stays where it is — except at k = 1 with
+  nothing measured: a window of one micro-batch on one device measures nothing, so k steps to
+  2 (within `max_k`) rather than stay at 1 for ever. A restored state whose window length lies
+  outside ``[min_k, max_k]`` (another policy's) opens its next window clipped into it. To keep
+  the recipe as the batch grows — the learning rate scaled by the AdaScale gain and schedules
+  run on progress — end the inner chain with `optax_accum.scale_by_gain` (see the guide "How
+  large a batch?", section "Changing the batch mid-run").
 
   Attributes:
     min_k: the shortest window, a positive int (the first window's length too).
@@ -471,6 +527,24 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
       raise ValueError(f"{name}: max_growth must be > 1 (inf: no limit), got {max_growth}.")
     return super().__new__(cls, min_k, max_k, micro_batch_weight, bool(shrink), max_growth)
 
+  # NamedTuple's `_replace` and `_make` build through `tuple.__new__`, past the checks above:
+  # `_replace(min_k=0)` would make a policy that every window fails. Both go through them.
+  @classmethod
+  def _make(cls, iterable: Any) -> FollowNoiseScale:
+    return cls(*iterable)
+
+  def _replace(self, **changes: Any) -> FollowNoiseScale:
+    unknown = set(changes) - set(self._fields)
+    if unknown:
+      raise ValueError(f"FollowNoiseScale._replace: no fields {sorted(unknown)}.")
+    return type(self)(**{**self._asdict(), **changes})
+
+  def clip(self, k: jax.Array | int) -> jax.Array:
+    """`k` clipped into ``[min_k, max_k]``, an int32 scalar (a window length from another
+    policy, e.g. a restored state's, becomes one this policy allows)."""
+    hi = _checks.MAX_WINDOW if self.max_k is None else self.max_k
+    return jnp.clip(jnp.asarray(k).astype(jnp.int32), self.min_k, hi).astype(jnp.int32)
+
 
 def _number(value: Any, name: str, caller: str) -> float:
   """A real Python or NumPy number (not a bool, not NaN) as a float."""
@@ -488,9 +562,9 @@ def next_k(policy: FollowNoiseScale, ns: NoiseState, current_k: jax.Array | int)
 
   ``k = clip(round(b_simple / micro_batch_weight), min_k, max_k)``, at most
   ``max(ceil(current_k · max_growth), current_k + 1)``; where b_simple is NaN, not positive or
-  infinite (nothing measured yet, or a smoothed ``|G|²`` that is not positive), ``current_k``;
-  unless ``policy.shrink``, never below ``current_k``. The result is always in
-  ``[min_k, max_k]``.
+  infinite (nothing measured yet, or a smoothed ``|G|²`` that is not positive), ``current_k``
+  (2 for a ``current_k`` of 1 with nothing measured: such a window cannot measure); unless
+  ``policy.shrink``, never below ``current_k``. The result is always in ``[min_k, max_k]``.
 
   Args:
     policy: a `FollowNoiseScale`.
@@ -523,7 +597,9 @@ def next_k(policy: FollowNoiseScale, ns: NoiseState, current_k: jax.Array | int)
   step = jnp.maximum(jnp.ceil(cur * min(policy.max_growth, 2.0**30)), cur + 1)
   target = jnp.minimum(jnp.round(jnp.where(usable, b, 1.0)), step)
   target = jnp.clip(target, lo, min(hi, 2**30)).astype(jnp.int32)
-  k = jnp.where(usable, target, current)
+  # One device at k = 1 measures nothing (one micro-batch, no variance): step up to 2.
+  unmeasured = jnp.isnan(scale(ns).b_simple) & (current < 2)
+  k = jnp.where(usable, target, jnp.where(unmeasured, 2, current))
   if not policy.shrink:
     k = jnp.maximum(k, current)
   return jnp.clip(k, lo, hi).astype(jnp.int32)

@@ -57,6 +57,9 @@ class Plan(NamedTuple):
   state: tuple[tuple[int, ...], ...]  # per state argument: the output leaves of its new value
   noise: tuple[int, ...]  # the gradient's leaves (noise_scale), or () for none
   total: jax.ShapeDtypeStruct  # the accumulated weight's type (its device variance)
+  # The leaves whose finiteness decides whether a micro-batch is dropped (`skip_nonfinite`);
+  # None: every "mean" and "sum" leaf.
+  decide: tuple[int, ...] | None = None
 
   def pick(self, leaves: Any, *kinds: str) -> list[Any]:
     """The entries of `leaves` (one per output leaf) whose leaf is reduced by one of `kinds`."""
@@ -237,5 +240,24 @@ def noise_leaves(noise_scale: Any, tree: Any, kinds: list[str]) -> tuple[int, ..
     raise ValueError(
       "microbatch: noise_scale must select the gradient among the outputs reduced by 'mean' "
       f"(the noise scale is that of their weighted mean), got {', '.join(bad) or 'no leaves'}."
+    )
+  return leaves
+
+
+def deciding_leaves(skip_nonfinite: Any, tree: Any, kinds: list[str]) -> tuple[int, ...] | None:
+  """The output leaves whose NaN/Inf drops a micro-batch (`skip_nonfinite` given as an int
+  ``j``, the output's ``j``-th entry, or a selector ``out -> outputs``); None for True/False
+  (True: every "mean" and "sum" leaf). They must be "mean" or "sum" leaves: a dropped
+  micro-batch leaves exactly those sums."""
+  if isinstance(skip_nonfinite, bool):
+    return None
+  selector = skip_nonfinite if callable(skip_nonfinite) else (lambda out: out[skip_nonfinite])
+  picked = select(selector, tree, "skip_nonfinite", "the outputs that decide a drop")
+  leaves = tuple(jax.tree.leaves(picked))
+  bad = [f"leaf {n} ({kinds[n]!r})" for n in leaves if kinds[n] not in ("mean", "sum")]
+  if not leaves or bad:
+    raise ValueError(
+      "microbatch: skip_nonfinite must select outputs reduced by 'mean' or 'sum' (their "
+      f"NaN/Inf drops the micro-batch from those sums), got {', '.join(bad) or 'no leaves'}."
     )
   return leaves

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_accum import _collectives
@@ -68,7 +69,7 @@ def _own_specs(state: AccumulateState, dev: Any, rep: Any, acc: Any, inner: Any)
   the rest."""
   noise = state.noise
   if noise is not None:
-    noise = jax.tree.map(lambda _: rep, noise)._replace(sq_sum=dev, count=dev)
+    noise = jax.tree.map(lambda _: rep, noise)._replace(sq_sum=dev, count=dev, weight=dev)
   return AccumulateState(
     mini_step=rep,
     gradient_step=rep,
@@ -107,11 +108,11 @@ def _stacked(path, spec: PartitionSpec, *, axes: tuple[str, ...], gathered: bool
     if not gathered:
       raise ValueError(
         f"state_partition_specs: the parameter at {jax.tree_util.keystr(path)} is sharded over "
-        f"axis_name={stack_axis!r} (spec {spec}), so its per-device accumulator cannot be stacked "
-        "over that axis too. With `optax_accum.data_parallel` (sync='update') such a parameter "
-        "is gathered on every device and its accumulator is full-size: pass gathered=True. "
-        "For an accumulator sharded like the parameter, use accumulate(..., axis_name=None) "
-        "(one reduction per micro-step)."
+        f"axis_name={stack_axis!r} (spec {spec}) and gathered=False, but a per-device "
+        "accumulator (accumulate(..., axis_name=...)) holds full-size gradients of the gathered "
+        "parameter, as `optax_accum.data_parallel` and `TrainStep` gather it: leave gathered "
+        "unset (the optimizer decides). For an accumulator sharded like the parameter, use "
+        "accumulate(..., axis_name=None) (GSPMD reduces every micro-step)."
       )
     parts = [tuple(a for a in _names(part) if a not in axes) for part in spec]
     spec = PartitionSpec(*(None if not p else p[0] if len(p) == 1 else p for p in parts))
@@ -123,7 +124,7 @@ def state_partition_specs(
   params_specs: Any,
   axis_name: AxisName | None,
   *,
-  gathered: bool = False,
+  gathered: bool | None = None,
   params: Any = None,
 ) -> Any:
   """Partition specs (or shardings) for every leaf of ``tx.init(params)``.
@@ -140,6 +141,9 @@ def state_partition_specs(
     ``P(axis_name)``.
   * Everything else (step counters, hyperparameters, factored statistics): ``P()``,
     replicated.
+  * `optax.lookahead`: ``params_specs`` may be ``LookaheadParams(fast, slow)`` (as its
+    parameters are) or the fast weights' specs; the accumulator and the fast optimizer's
+    state get the fast weights' specs.
 
   The spec tree is built by mapping over the state `tx.init` makes (traced abstractly), so it
   has exactly the state's structure whatever the optimizer: masks (`optax.masked`,
@@ -154,10 +158,14 @@ def state_partition_specs(
       `NamedSharding`, shaped like the parameters.
     axis_name: the ``axis_name`` given to `accumulate` (the mapped data-parallel axis), or None
       when the optimizer has none.
-    gathered: whether parameters sharded over `axis_name` (FSDP) are gathered on every device
-      where the gradients are taken, as `optax_accum.data_parallel` does: their per-device
-      accumulators are then full-size, ``P(axis_name, *spec without axis_name)``. Without it
-      such a parameter is an error.
+    gathered: how a parameter sharded over `axis_name` (FSDP) is accumulated. None (default):
+      decided by the optimizer, once — a per-device accumulator (``accumulate(...,
+      axis_name=...)``) holds full-size gradients of the gathered parameter, as
+      `optax_accum.data_parallel` and `TrainStep` gather it, so it is
+      ``P(axis_name, *spec without axis_name)``; without an axis name the accumulator is
+      sharded like the parameter. False: such a parameter is an error (for a `shard_map`
+      whose per-device gradients are of the local shard, which one reduction per update
+      cannot combine). True: the default's choice, stated.
     params: the parameters, or their `jax.ShapeDtypeStruct`s (optional): `tx.init` is traced on
       them. Pass them for optimizers whose state shapes depend on the parameters' shapes,
       such as `optax.adafactor` (factored second moments): a state leaf under a parameter
@@ -170,9 +178,10 @@ def state_partition_specs(
     `params_specs` holds shardings) at every leaf.
 
   Raises:
-    ValueError: if a parameter's spec already uses `axis_name` (without `gathered`), if the
-      state holds per-device fields but `axis_name` is None, or if the optimizer reduces over
-      another axis.
+    ValueError: if a parameter's spec already uses `axis_name` and ``gathered=False``, if the
+      state holds per-device fields but `axis_name` is None, if the optimizer reduces over
+      another axis, or, without `params`, if a state leaf under a sharded parameter has a
+      shape that depends on the parameter's (factored statistics: pass ``params=``).
 
   >>> import jax, optax, optax_accum
   >>> from jax.sharding import PartitionSpec as P
@@ -182,7 +191,7 @@ def state_partition_specs(
   ({'w': P('data', None, 'model')}, P('data',), P())
   >>> specs.inner_state[0].mu
   {'w': P(None, 'model')}
-  >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data", gathered=True)
+  >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data")  # FSDP: gathered
   >>> fsdp.acc_grads, fsdp.inner_state[0].mu
   ({'w': P('data', None)}, {'w': P('data',)})
   """
@@ -192,12 +201,15 @@ def state_partition_specs(
   leaves = jax.tree.leaves(params_specs, is_leaf=_is_spec)
   mesh = next((s.mesh for s in leaves if isinstance(s, NamedSharding)), None)
   specs = jax.tree.map(_spec_of, params_specs, is_leaf=_is_spec)
-  if params is None:  # stand-ins with the tree of the specs, one axis per spec entry
+  stand_ins = params is None
+  if stand_ins:  # stand-ins with the tree of the specs, one axis per spec entry
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct((1,) * len(s), jnp.float32), specs,
                           is_leaf=_is_spec)  # fmt: skip
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   template = _abstract_state(tx, params, axes)
-  by_path = _by_path(specs, params)
+  by_path = _by_path(*_gradient_tree(specs, params))
+  if stand_ins:
+    _check_shapes_known(template, by_path)
 
   def out(spec: PartitionSpec):
     return spec if mesh is None else NamedSharding(mesh, spec)
@@ -215,7 +227,7 @@ def state_partition_specs(
     dev = out(PartitionSpec(stack_axis)) if per_device else rep
     acc = x.acc_grads
     if acc is not None:
-      stacked = functools.partial(_stacked, axes=axes, gathered=gathered)
+      stacked = functools.partial(_stacked, axes=axes, gathered=gathered is not False)
       acc = jax.tree.map_with_path(
         lambda p, a: out(
           stacked(p, _leaf_spec(by_path, p, a, 1)) if per_device else _leaf_spec(by_path, p, a)
@@ -245,6 +257,55 @@ def _checked_specs(params_specs: Any) -> Any:
         f"every leaf, got {s!r} at {jax.tree_util.keystr(path)}."
       )
   return params_specs
+
+
+def _gradient_tree(specs: Any, params: Any) -> tuple[Any, Any]:
+  """The specs and parameters that the state's parameter-shaped leaves follow: those of the
+  fast weights for `optax.lookahead`'s ``LookaheadParams(fast, slow)`` (its accumulator and
+  inner state are shaped like the fast weights), else as given."""
+  if isinstance(specs, optax.LookaheadParams):
+    params = params.fast if isinstance(params, optax.LookaheadParams) else params
+    return specs.fast, params
+  return specs, params
+
+
+SHAPE_DEPENDS = (
+  "state_partition_specs: the state leaf at {path} sits under the parameter {param} (spec "
+  "{spec}) but has shape {shape}, not the parameter's: this optimizer's state shapes depend on "
+  "the parameters' shapes (e.g. adafactor's factored statistics), and without `params` they are "
+  "traced on stand-ins of shape {stand_in}, so which of its leaves follow the parameter's "
+  "sharding is unknown. Pass the parameters (or their jax.ShapeDtypeStruct's): "
+  "state_partition_specs(tx, params_specs, axis_name, params=params)."
+)
+
+
+def _check_shapes_known(template: Any, by_path: dict) -> None:
+  """Without `params`: raises `SHAPE_DEPENDS` where a leaf under a sharded parameter's path
+  is not parameter-shaped (its real shape, and hence its spec, cannot be known)."""
+
+  def check(path, x):
+    path = tuple(path)
+    for i in range(len(path) + 1):
+      found = by_path.get(path[i:])
+      if found is None:
+        continue
+      shape, spec = found
+      sharded = any(part is not None for part in spec)
+      n = len(shape)  # a per-device accumulator has one more (stacking) axis in front
+      fits = len(x.shape) in (n, n + 1) and tuple(x.shape[len(x.shape) - n :]) == tuple(shape)
+      if sharded and not fits:
+        raise ValueError(
+          SHAPE_DEPENDS.format(
+            path=jax.tree_util.keystr(path),
+            param=jax.tree_util.keystr(path[i:]),
+            spec=spec,
+            shape=tuple(x.shape),
+            stand_in=tuple(shape),
+          )
+        )
+      return
+
+  jax.tree.map_with_path(check, template)
 
 
 def _by_path(specs: Any, params: Any) -> dict:

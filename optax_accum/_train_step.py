@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from concurrent import futures
 from typing import Any
 
 import jax
@@ -27,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _checks, _gspmd, _noise, _sharding
+from optax_accum import _accumulate, _batch, _checks, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
@@ -50,6 +51,24 @@ def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def _signature(args: tuple, weight: Any) -> tuple:
+  """What the compiled programs depend on in a call's micro-batch and weight: the tree, each
+  leaf's shape, dtype, weak type (a Python scalar) and placement."""
+  leaves, tree = jax.tree.flatten((args, weight))
+  return tree, tuple(
+    (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None)) for x in leaves
+  )
+
+
+def _in_trainstep_words(error: Exception) -> Exception:
+  """A check shared with `accumulate` (`_accumulate.check_update`), said as TrainStep's: its
+  name, and the one way it makes a state."""
+  text = str(error).replace("accumulate.update:", "TrainStep:", 1)
+  text = text.replace(" but is updated with ", " but this TrainStep has ")
+  text = text.replace("`tx.init(params)` or `step.init(params)`", "`step.init(params)`")
+  return type(error)(text)
+
+
 class TrainStep:
   """A jitted micro-step ``grad → accumulate → (every k-th call) update → apply``.
 
@@ -65,6 +84,12 @@ class TrainStep:
       window before it closes, from the noise statistics, and read back by the host once per
       update (a scalar; that read waits for the emitting program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
+
+      The parameters may hold non-array leaves (an Equinox module's activation functions and
+      static fields): they pass through as `eqx.filter_jit` holds them, the state is made from
+      the arrays only (as ``tx.init(eqx.filter(model, eqx.is_array))``), and the returned
+      parameters are the same kind of object. With `optax.lookahead` the parameters are
+      ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
     donate: donate the parameters and the optimizer state to each call (the default; the
       arrays you pass in are invalid afterwards, as with any donating training step).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
@@ -158,12 +183,20 @@ class TrainStep:
       raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
     self.every_k = every_k
     self.tx = _accumulate.transformation(self._cfg)
-    self._grad = jax.value_and_grad(loss_fn, has_aux=has_aux)
+    # Non-array leaves of the parameters (an Equinox module's activation functions) ride as
+    # `_batch.Static` nodes, as `eqx.filter_jit` holds them; the loss sees them unwrapped.
+    # `optax.lookahead`'s parameters are LookaheadParams(fast, slow): the loss is evaluated at
+    # the fast weights (its gradients are theirs).
+    self._grad = jax.value_and_grad(
+      lambda p, *a: loss_fn(_accumulate._gradient_like(_batch.show_static(p)), *a),
+      has_aux=has_aux,
+    )
     self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:
       grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
+    self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # With axis_name: whether the programs' output shardings are set (`_pin`); nothing to set
     # without one.
@@ -175,6 +208,7 @@ class TrainStep:
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
+    self._compiled = {}
     return {
       emit: jax.jit(
         self._step,
@@ -192,9 +226,10 @@ class TrainStep:
 
   def _state_shardings(self, params: Any) -> tuple[Any, Any]:
     """The parameters' shardings and the state's (`state_partition_specs`)."""
+    params = _batch.none_for_static(_batch.hide_static(params))
     shardings = self._shardings(params)
     axis = self._cfg.axis.name
-    specs = state_partition_specs(self.tx, shardings, axis, gathered=True, params=params)
+    specs = state_partition_specs(self.tx, shardings, axis, params=params)
     return shardings, specs
 
   def _pin(self, params: Any) -> None:
@@ -203,7 +238,8 @@ class TrainStep:
     parameters and their optimizer state must leave it sharded as they came in."""
     if self._pinned or not self._binds_here():
       return
-    shardings, specs = self._state_shardings(params)
+    _, specs = self._state_shardings(params)
+    shardings = self._shardings(_batch.hide_static(params))
     rep = P() if self._mesh is None else NamedSharding(self._mesh, P())
     self._programs = self._jit(out_shardings=(shardings, specs, _NO_BUFFER, rep))
     self._pinned = True
@@ -212,6 +248,7 @@ class TrainStep:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
+    params = _batch.none_for_static(_batch.hide_static(params))  # arrays only, as eqx.filter
     if not self._binds_here():
       return self.tx.init(params)
     self._pin(params)
@@ -272,30 +309,44 @@ class TrainStep:
     the device-varying view to differentiate, `replicated` the parameters to update."""
     cfg = self._cfg
     value, grads = self._grad(params, *args)
-    params = params if replicated is None else replicated
+    # optax.lookahead's parameters are LookaheadParams(fast, slow); its gradients the fast ones.
+    grads = _batch.none_for_static(_accumulate._gradient_like(grads))
+    hidden = params if replicated is None else replicated
+    params = _batch.none_for_static(hidden)
     # Returning the gradients as the (donated) buffer's new value makes XLA compute them
     # straight into it: they stop being temporary memory.
     grad_buffer = _NO_BUFFER if grad_buffer is _NO_BUFFER else grads
     if self._weight_fn is not None:
       weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
-    weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
-    sums, total, dropped = _accumulate.add(cfg, grads, state, weight)
-    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped)
+    try:
+      weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
+    except (TypeError, ValueError) as e:
+      raise _in_trainstep_words(e) from None
+    sq = _accumulate.sq_norm(cfg, grads)  # with noise_scale: also the finite check
+    sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
+    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
       closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
       params, sums = closed.out
+      params = _batch.restore_static(params, hidden)
     else:
       closed = _accumulate.keep_open(_accumulate.APPLY, window)
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
-    return params, state, grad_buffer, value
+    return (params if emit else hidden), state, grad_buffer, value
+
+  def _grads_of(self, params: Any, args: tuple) -> Any:
+    """The gradients as `_micro_step` takes them (arrays only; lookahead's fast weights')."""
+    grads = self._grad(params, *args)[1]
+    return _batch.none_for_static(_accumulate._gradient_like(grads))
 
   def _buffer(self, params: Any, args: tuple) -> Any:
     """The gradient buffer, made on first use with the gradients' shapes and dtypes, placed
     like the parameters (a gradient has its parameter's sharding)."""
     if self._grad_buffer is None:
-      types = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+      types = jax.eval_shape(self._grads_of, params, args)
+      params = _accumulate._gradient_like(_batch.none_for_static(params))
       self._grad_buffer = jax.tree.map(
         lambda t, p: jnp.zeros(t.shape, t.dtype, device=getattr(p, "sharding", None)),
         types,
@@ -325,10 +376,11 @@ class TrainStep:
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
-    program = self._programs[emit]
-    params, state, self._grad_buffer, value = program(
-      params, state, self._buffer(params, args), args, weight, emit=emit
+    params = _batch.hide_static(params)
+    params, state, self._grad_buffer, value = self._dispatch(
+      emit, params, state, self._buffer(params, args), args, weight
     )
+    params = _batch.show_static(params)
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
@@ -350,13 +402,75 @@ class TrainStep:
     one the emitting program decided from the noise statistics (read back: one device-to-host
     read of a scalar per update, which waits for that program)."""
     if isinstance(self.every_k, _noise.FollowNoiseScale):
-      return int(jax.device_get(state.window_k))
+      # Clipped like the device clips it (`_accumulate.window_length`): a restored state's
+      # decision may come from a policy with other bounds.
+      return int(self.every_k.clip(int(jax.device_get(state.window_k))))
     return self.every_k
+
+  def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
+    """Runs one of the two programs: compiled together on the first call with these argument
+    types (`compile`), or, for inputs unlike those they were compiled for, through `jax.jit`."""
+    key = _signature(args, weight)
+    if key not in self._compiled:
+      self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
+    compiled = self._compiled[key]
+    if compiled is not None:
+      try:
+        return compiled[emit](params, state, grad_buffer, args, weight)
+      except (TypeError, ValueError):
+        # The compiled programs check their inputs before running (nothing donated yet): other
+        # parameter or state types, or placements. `jax.jit` handles them from now on.
+        self._compiled[key] = None
+    return self._programs[emit](params, state, grad_buffer, args, weight, emit=emit)
+
+  def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
+    """Both programs for these arguments: traced one after the other, compiled concurrently
+    (XLA compiles without holding Python's lock), so the pair costs about the time of the
+    larger one instead of the sum of two."""
+    emits = (True,) if self._cfg.unaccumulated else (False, True)
+    lowered = {e: self._programs[e].lower(params, state, grad_buffer, args, weight, emit=e)
+               for e in emits}  # fmt: skip
+    with futures.ThreadPoolExecutor(len(lowered)) as pool:
+      compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
+      return {e: job.result() for e, job in compiling.items()}
+
+  def compile(self, params, state, *args, weight=None) -> TrainStep:
+    """Compiles both programs now, concurrently, for arguments like these (else the first call
+    does it); returns this `TrainStep`.
+
+    Args:
+      params, state, args, weight: as for a call (only their types and placements matter).
+
+    Returns:
+      ``self``, whose calls with arguments of these types run the programs compiled here.
+
+    Raises:
+      TypeError, ValueError: as a first call would (bad arguments, a state from elsewhere).
+
+    >>> import jax.numpy as jnp, optax, optax_accum
+    >>> step = optax_accum.TrainStep(lambda p, x: jnp.sum(p * x), optax.sgd(0.1), every_k=2)
+    >>> params = jnp.ones(3)
+    >>> state = step.init(params)
+    >>> step = step.compile(params, state, jnp.ones(3))
+    >>> params, state, loss = step(params, state, jnp.ones(3))
+    >>> float(loss)
+    3.0
+    """
+    self._pin(params)
+    params = _batch.hide_static(params)
+    buffer = self._grad_buffer
+    if buffer is None:
+      buffer = jax.eval_shape(self._grads_of, params, args)
+    self._compiled[_signature(args, weight)] = self._compile_both(
+      params, state, buffer, args, weight
+    )
+    return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
     self._pin(params)
+    params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
-      grad_buffer = jax.eval_shape(lambda p, a: self._grad(p, *a)[1], params, args)
+      grad_buffer = jax.eval_shape(self._grads_of, params, args)
     return self._programs[emit].lower(params, state, grad_buffer, args, weight, emit=emit)

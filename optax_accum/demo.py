@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib
 import sys
 import time
 from collections.abc import Sequence
@@ -320,6 +321,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
     prog="python -m optax_accum.demo",
     description="Train a digits MLP three ways (large batch, accumulate, microbatch) and compare.",
+    epilog="Other tasks, each with its own --help: "
+    + "; ".join(f"`python -m optax_accum.demo {name}`: {what}" for name, (_, what) in TASKS.items())
+    + ".",
   )
   p.add_argument("--k", type=int, default=4, help="micro-batches per optimizer step (default 4)")
   p.add_argument(
@@ -345,21 +349,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
+# The other tasks: the first argument names one; its module's `main(argv)` runs it.
+TASKS = {
+  "lm": ("optax_accum._lm.cli", "a byte-level transformer, token-weighted, checkpointed"),
+  "dp": ("optax_accum._dp_demo", "private training on the digits, one noise draw per update"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> list:
   """Runs the job; returns the three `Result`s (large batch first).
 
-  ``lm`` as the first argument runs the language-model task instead
-  (``python -m optax_accum.demo lm [--quick]``, see `optax_accum._lm`).
+  A task name of `TASKS` as the first argument runs that task instead (e.g.
+  ``python -m optax_accum.demo lm [--quick]``, see `optax_accum._lm`).
   """
   argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] == ["lm"]:
-    from optax_accum._lm import cli  # noqa: PLC0415
-
-    return cli.main(argv[1:])
-  if argv[:1] == ["dp"]:
-    from optax_accum import _dp_demo  # noqa: PLC0415
-
-    return _dp_demo.main(argv[1:])
+  if argv[:1] and argv[0] in TASKS:
+    return importlib.import_module(TASKS[argv[0]][0]).main(argv[1:])
   args = parse_args(argv)
   for module in _EXTRAS:
     _require(module)

@@ -256,8 +256,10 @@ def test_state_partition_specs_for_a_chain():
 
 def test_state_partition_specs_rejects_bad_input():
   tx = optax_accum.accumulate(optax.sgd(0.1), 4, axis_name=AX)
-  with pytest.raises(ValueError, match=r"sharded over axis_name='data'"):
-    state_partition_specs(tx, {"w": P(AX)}, AX)
+  # FSDP is decided by accumulate's axis_name (issue 24): only an explicit gathered=False
+  # contradicts it.
+  with pytest.raises(ValueError, match=r"sharded over axis_name='data'.*gathered=False"):
+    state_partition_specs(tx, {"w": P(AX)}, AX, gathered=False)
   with pytest.raises(ValueError, match="axis_name must be given here too, got None"):
     state_partition_specs(tx, {"w": P()}, None)
   with pytest.raises(ValueError, match="not axis_name='model'"):

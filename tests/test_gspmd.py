@@ -554,16 +554,16 @@ def test_fsdp_within_step_defer_or_reduce_per_micro_batch(axis_type, sync):
 
 @pytest.mark.parametrize("choice", ["defer", "per_micro_step"])
 def test_fsdp_across_steps_defer_or_reduce_per_micro_step(choice):
-  """accumulate across steps: defer = axis_name + data_parallel (full-size per-device sums,
-  ``state_partition_specs(..., gathered=True)``); per micro-step = axis_name=None under plain
-  jit (the accumulator sharded like the parameters)."""
+  """accumulate across steps: defer = axis_name + data_parallel (full-size per-device sums, which
+  `state_partition_specs` infers); per micro-step = axis_name=None under plain jit (the
+  accumulator sharded like the parameters). One decision: the axis name."""
   mesh = _mesh(AxisType.Auto)
   params = ref.mlp_params(0, FSDP_SIZES)
   shardings = _fsdp_shardings(params, mesh)
   axis = AX if choice == "defer" else None
   k = 2
   tx = optax_accum.accumulate(ref.SGD, k, axis_name=axis)
-  state_shardings = state_partition_specs(tx, shardings, axis, gathered=True)
+  state_shardings = state_partition_specs(tx, shardings, axis)
   batches = [_fsdp_batch(30 + i, D * ROWS) for i in range(k)]
 
   def train_step(params, state, batch, emit):
@@ -598,13 +598,20 @@ def test_fsdp_across_steps_defer_or_reduce_per_micro_step(choice):
     assert _reductions(accumulating) >= 1  # every micro-step
 
 
-def test_state_partition_specs_fsdp_needs_gathered():
-  tx = optax_accum.accumulate(optax.adam(0.1), 4, axis_name=AX)
-  with pytest.raises(ValueError, match=r"sharded over axis_name='data'.*pass gathered=True"):
-    state_partition_specs(tx, {"w": P(AX, "model")}, AX)
-  specs = state_partition_specs(tx, {"w": P(AX, "model")}, AX, gathered=True)
+def test_state_partition_specs_fsdp_is_one_decision_regression_issue_24_item_6():
+  """FSDP is decided once, by accumulate's axis_name: with it the accumulator is per device and
+  full-size (the parameter gathered); without it, sharded like the parameter. The specs follow
+  from the optimizer alone: no `gathered=` to keep in agreement."""
+  spec = {"w": P(AX, "model")}
+  deferred = optax_accum.accumulate(optax.adam(0.1), 4, axis_name=AX)
+  specs = state_partition_specs(deferred, spec, AX)
   assert specs.acc_grads == {"w": P(AX, None, "model")}
   assert specs.inner_state[0].mu == {"w": P(AX, "model")}
+  assert state_partition_specs(deferred, spec, AX, gathered=True) == specs  # the same, stated
+  per_step = state_partition_specs(optax_accum.accumulate(optax.adam(0.1), 4), spec, None)
+  assert per_step.acc_grads == {"w": P(AX, "model")}
+  with pytest.raises(ValueError, match=r"gathered=False.*leave gathered unset"):
+    state_partition_specs(deferred, spec, AX, gathered=False)
 
 
 # ----------------------------------------------------------------------------------------------

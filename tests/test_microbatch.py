@@ -812,10 +812,14 @@ def test_microbatch_noise_scale_weighted_and_dropped_micro_batches():
 def test_microbatch_noise_scale_devices_are_more_pieces_of_the_window():
   # 2 devices × k micro-batches give the statistics of 1 device × 2k with the same micro-batches:
   # under shard_map (device d holds micro-batches 4d..4d+3, contiguous) and under plain jit
-  # (bound here: device d holds its piece, rows 4d..4d+3, of each 8-row micro-batch).
+  # (bound here: device d holds its piece, rows 4d..4d+3, of each 8-row micro-batch). The unit
+  # of the default weight is one global micro-batch (issue 22): a device's piece is half of
+  # one, so the one-device run weighs each of its micro-batches 1/2 for the same figures.
   batch, mesh = _data(32), jax.make_mesh((2,), ("d",), axis_types=(AxisType.Auto,))
   one = jax.jit(microbatch(_VG, 8, split="contiguous", noise_scale=1))
-  (want, want_info) = one(PARAMS, batch)
+  (want, _) = one(PARAMS, batch)
+  halves = microbatch(_VG, 8, split="contiguous", noise_scale=1, weight_fn=lambda p, b: 0.5)
+  (_, want_info) = jax.jit(halves)(PARAMS, batch)
   f = microbatch(_VG, 4, split="contiguous", noise_scale=1, axis_name="d")
   mapped = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P(), P("d")), out_specs=P()))
   in_map = mapped(PARAMS, jax.device_put(batch, NamedSharding(mesh, P("d"))))

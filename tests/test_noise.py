@@ -40,7 +40,7 @@ def _window(grads, weights, keep=None, ns=None, decay=_noise.DEFAULT_DECAY):
       sums = jax.tree.map(lambda s, x, w=w: s + w * x, sums, g)
       total = total + w
   mean_sq = _noise.sq_norm(sums) / total**2
-  return _noise.close(ns, mean_sq, total, *_noise.partials(ns), decay=decay)
+  return _noise.close(ns, mean_sq, *_noise.partials(ns), decay=decay)
 
 
 def _reference(grads, weights):
@@ -100,10 +100,11 @@ def test_close_two_devices_equal_one_device_with_twice_the_micro_batches():
     for i in range(k):
       j = d * k + i
       devices[d] = _noise.add(devices[d], grads[j], weights[j], True, restart=jnp.asarray(i == 0))
-  sq_sum, count = (sum(p) for p in zip(*map(_noise.partials, devices), strict=True))
+  sq_sum, count, weight = (sum(p) for p in zip(*map(_noise.partials, devices), strict=True))
   total = sum(weights)
+  np.testing.assert_allclose(weight, total, rtol=1e-7)
   sums = jax.tree.map(lambda *g: sum(w * x for w, x in zip(weights, g, strict=True)), *grads)
-  two = _noise.close(devices[0], _noise.sq_norm(sums) / total**2, total, sq_sum, count)
+  two = _noise.close(devices[0], _noise.sq_norm(sums) / total**2, sq_sum, count, total)
   assert float(count) == 2 * k
   np.testing.assert_allclose(two.window_trace_cov, one.window_trace_cov, rtol=1e-6)
   np.testing.assert_allclose(two.window_grad_sq, one.window_grad_sq, rtol=1e-6)
@@ -174,9 +175,9 @@ def test_window_stats_nan_where_nothing_to_estimate():
 def test_close_bad_decay():
   ns = _noise.init()
   with pytest.raises(ValueError, match=r"decay must be in \[0, 1\), got 1.0"):
-    _noise.close(ns, 1.0, 2.0, 3.0, 2.0, decay=1.0)
+    _noise.close(ns, 1.0, 3.0, 2.0, 2.0, decay=1.0)
   with pytest.raises(TypeError, match="decay must be a float in"):
-    _noise.close(ns, 1.0, 2.0, 3.0, 2.0, decay="0.9")
+    _noise.close(ns, 1.0, 3.0, 2.0, 2.0, decay="0.9")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def test_noise_state_dtypes_fixed_under_scan_with_bf16_grads():
   def body(ns, ig):
     i, g = ig
     ns = _noise.add(ns, {"w": g}, jnp.float32(2.0), jnp.asarray(True), restart=i % 3 == 0)
-    closed = _noise.close(ns, _noise.sq_norm(g), jnp.float32(6.0), *_noise.partials(ns))
+    closed = _noise.close(ns, _noise.sq_norm(g), *_noise.partials(ns))
     return jax.tree.map(lambda a, b: jnp.where(i % 3 == 2, a, b), closed, ns), None
 
   ns, _ = lax.scan(body, _noise.init(), (jnp.arange(6), grads))
@@ -286,7 +287,7 @@ def test_noise_scale_errors():
     ValueError, match=r"the Holder in this tuple keeps no noise statistics .*noise_scale=True"
   ):
     _noise.noise_scale((Holder(1, None, ()),))
-  with pytest.raises(ValueError, match="found 2 states with noise statistics in a tuple"):
+  with pytest.raises(ValueError, match="exactly one NoiseState, found 2 in a tuple"):
     _noise.noise_scale((_noise.init(), Holder(1, _noise.init(), ())))
 
 
@@ -418,9 +419,9 @@ def _simulate(key, sizes, weights, poison):
     carry, _ = lax.scan(micro_step, carry, (jnp.arange(K), g, w))
     ns, slow, sums, total = carry
     mean_sq = _noise.sq_norm(sums) / total**2
-    stats = _noise.window_stats(*_noise.partials(ns), total, mean_sq)
-    ns = _noise.close(ns, mean_sq, total, *_noise.partials(ns))
-    slow = _noise.close(slow, mean_sq, total, *_noise.partials(slow), decay=SLOW)
+    stats = _noise.window_stats(*_noise.partials(ns), mean_sq)
+    ns = _noise.close(ns, mean_sq, *_noise.partials(ns))
+    slow = _noise.close(slow, mean_sq, *_noise.partials(slow), decay=SLOW)
     return (ns, slow, sums, total), (stats, _noise.scale(ns).b_simple)
 
   zero = jnp.zeros((), jnp.float32)
@@ -517,7 +518,7 @@ def _follow(key, policy, windows):
 
     (ns, sums), _ = lax.scan(micro_step, (ns, jnp.zeros((FOLLOW_D,))), jnp.arange(FOLLOW_MAX_K))
     total = k.astype(jnp.float32)
-    ns = _noise.close(ns, _noise.sq_norm(sums) / total**2, total, *_noise.partials(ns))
+    ns = _noise.close(ns, _noise.sq_norm(sums) / total**2, *_noise.partials(ns))
     return (ns, _noise.next_k(policy, ns, k)), k
 
   start = (_noise.init(), jnp.int32(policy.min_k))

@@ -99,15 +99,18 @@ def test_noise_train_step_matches_the_float64_window_formulas(weight):
   _assert_scale(noise_scale(state), _expected(windows))
 
 
-def _sharded_run(tx, grads: np.ndarray, mesh) -> tuple[optax_accum.AccumulateState, str]:
-  """`grads` of shape (steps, devices, DIM): device d's micro-batch gradient at each step, fed
-  to `tx` inside shard_map (the gradient of a device-local linear loss, device-varying).
-  Returns the final state and the compiled micro-step's text."""
+def _sharded_run(
+  tx, grads: np.ndarray, mesh, weight: float | None = None
+) -> tuple[optax_accum.AccumulateState, str]:
+  """`grads` of shape (steps, devices, DIM): device d's share of each step's micro-batch, its
+  gradient fed to `tx` inside shard_map (the gradient of a device-local linear loss,
+  device-varying), with `weight` on every device. Returns the final state and the compiled
+  micro-step's text."""
   specs = optax_accum.state_partition_specs(tx, P(), AX)
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=P(), out_specs=specs))
 
   def micro_step(state, g):
-    _, state = tx.update(g[0], state, jnp.zeros(DIM, jnp.float32))
+    _, state = tx.update(g[0], state, jnp.zeros(DIM, jnp.float32), weight=weight)
     return state
 
   step = jax.jit(jax.shard_map(micro_step, mesh=mesh, in_specs=(specs, P(AX)), out_specs=specs))
@@ -118,20 +121,24 @@ def _sharded_run(tx, grads: np.ndarray, mesh) -> tuple[optax_accum.AccumulateSta
   return state, step.lower(state, jax.device_put(grads[0], split)).compile().as_text()
 
 
-def test_noise_two_devices_times_k_equal_one_device_times_2k():
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_noise_two_devices_times_k_equal_one_device_times_2k(weight):
+  """Each device's share is a piece of the window: with the default weight, half of one
+  global micro-batch (weight 1/2, issue 22); with example counts, its own count."""
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
   grads = _grads(2, 2 * 2 * K).reshape(2 * K, 2, DIM)  # 2 windows of K steps on 2 devices
   tx = accumulate(optax.sgd(1.0), K, axis_name=AX, noise_scale=True)
-  state, _ = _sharded_run(tx, grads, mesh)
+  state, _ = _sharded_run(tx, grads, mesh, weight)
+  piece = 0.5 if weight is None else weight
   one = accumulate(optax.sgd(1.0), 2 * K, noise_scale=True)
-  flat = grads[:K].reshape(-1, DIM), grads[K:].reshape(-1, DIM)  # each window's 2K gradients
+  flat = grads[:K].reshape(-1, DIM), grads[K:].reshape(-1, DIM)  # each window's 2K pieces
   single, update = one.init(np.zeros(DIM, np.float32)), jax.jit(one.update)
   for g in np.concatenate(flat):
-    _, single = update(g, single, np.zeros(DIM, np.float32))
+    _, single = update(g, single, np.zeros(DIM, np.float32), weight=piece)
   got, want = noise_scale(state), noise_scale(single)
   for name in got._fields:  # the same sums, added in another order
     np.testing.assert_allclose(getattr(got, name), getattr(want, name), rtol=2e-6, err_msg=name)
-  windows = [_window_tq(f, np.ones(2 * K)) for f in flat]
+  windows = [_window_tq(f, np.full(2 * K, piece)) for f in flat]
   _assert_scale(got, _expected(windows))
   assert state.noise.sq_sum.shape == (2,)  # the window partials are per device
 
@@ -255,3 +262,35 @@ def test_noise_state_placed_by_state_partition_specs():
       np.zeros(3, np.float32)
     )
   assert state.noise.count.shape == (8,)
+
+
+@pytest.mark.parametrize("path", ["accumulate", "TrainStep"])
+def test_noise_sq_norm_finite_check_is_exact(path):
+  """With noise_scale=True, Σ|g|² is the finite check: a gradient whose squares overflow float32
+  (finite values of 1e30) is kept, exactly as without the statistics, and NaN/±Inf are
+  dropped (the exact check that runs when Σ|g|² is not finite)."""
+  cases = [np.full(DIM, 1e30, np.float32), np.ones(DIM, np.float32)]
+  for bad in (np.nan, np.inf, -np.inf):
+    g = np.ones(DIM, np.float32)
+    g[2] = bad
+    cases.append(g)
+  got = {}
+  for noise in (False, True):
+    if path == "accumulate":
+      tx = accumulate(optax.sgd(1.0), 1, noise_scale=noise)
+      state, update = tx.init(np.zeros(DIM, np.float32)), jax.jit(tx.update)
+      skipped = []
+      for g in cases:
+        _, state = update(g, state, np.zeros(DIM, np.float32))
+        skipped.append(int(state.num_skipped))
+    else:
+      step = optax_accum.TrainStep(
+        lambda p, x: jnp.sum(p * x), optax.sgd(1.0), 2, noise_scale=noise
+      )
+      params = jnp.zeros(DIM)
+      state, skipped = step.init(params), []
+      for g in cases:
+        params, state, _ = step(params, state, g)
+        skipped.append(int(state.num_skipped))
+    got[noise] = skipped
+  assert got[True] == got[False] == [0, 0, 1, 2, 3]

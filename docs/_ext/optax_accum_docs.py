@@ -218,13 +218,34 @@ def copy_outside_sources(app: Sphinx, config: Any) -> None:
         stale.unlink()
       elif stale.is_dir() and not any(stale.iterdir()):
         stale.rmdir()
+  check_lm_run(ROOT / "benchmarks" / "results" / "lm")
   for results in sorted((ROOT / "benchmarks" / "results").glob("*/results.json")):
     backend = results.parent.name
+    if backend == "lm":  # the language-model run: its figures are the guide's (substitutions)
+      continue
     text = _figures(json.loads(results.read_text()), backend, sorted(results.parent.glob("*.png")))
     dst = GENERATED / "benchmarks" / backend / "figures.inc"
     if not dst.exists() or dst.read_text() != text:  # unchanged: Sphinx need not re-read
       dst.parent.mkdir(parents=True, exist_ok=True)
       dst.write_text(text)
+
+
+class LmRunError(SphinxError):
+  category = "language-model run inconsistent"
+
+
+def check_lm_run(run: pathlib.Path) -> None:
+  """The language-model guide quotes ``results.json`` and shows ``results.md`` and the plot of
+  the committed run: all three must come from one run (its command and wall time in both)."""
+  quoted = json.loads((run / "results.json").read_text())
+  table = (run / "results.md").read_text()
+  said = [f"Made by `{quoted['command']}`.", f"Wall time {quoted['figures']['wall_s']} s "]
+  missing = [s for s in said if s not in table]
+  if missing or not (run / "lm_loss.png").is_file():
+    raise LmRunError(
+      f"{run}: results.json and results.md are not from the same run (results.md lacks "
+      f"{missing}), or lm_loss.png is missing: make them again with the command in results.json."
+    )
 
 
 def _figures(res: dict[str, Any], backend: str, pngs: list[pathlib.Path]) -> str:

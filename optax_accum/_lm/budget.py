@@ -45,13 +45,28 @@ def large_batch_peak(p) -> int:
 
 
 def describe(p, batch_size: int) -> str:
-  """The budget line: the budget, the large batch's peak, the chosen k and its peak."""
+  """The plan line: the budget, and the gradient program's compiled peak whole and at the k
+  that `plan_microbatches` chose (it sizes the gradient program, not the optimizer update)."""
   k = p.num_microbatches
   large = large_batch_peak(p)
   verdict = "exceeds" if large > p.memory_limit else "fits"
   return (
-    f"memory budget {p.memory_limit / MIB:.1f} MiB: the batch of {batch_size} in one program "
-    f"needs {large / MIB:.1f} MiB (XLA's compiled peak; {verdict} the budget) -> "
-    f"plan_microbatches: k={k} micro-batches of {batch_size // k}, peak "
+    f"memory budget {p.memory_limit / MIB:.1f} MiB: the gradient program of the batch of "
+    f"{batch_size} needs {large / MIB:.1f} MiB (XLA's compiled peak; {verdict} the budget) -> "
+    f"plan_microbatches: k={k} micro-batches of {batch_size // k}, gradient program peak "
     f"{p.peak_bytes[k] / MIB:.1f} MiB"
+  )
+
+
+def step_peaks(p, results) -> str:
+  """The step line: each run's peak memory as the table gives it (the whole training step,
+  gradient and Adam update), against the budget."""
+  within = [r for r in results if r.peak_bytes and r.peak_bytes <= p.memory_limit]
+  over = [r for r in results if r.peak_bytes and r.peak_bytes > p.memory_limit]
+  said = lambda rs: ", ".join(f"{r.name} {r.peak_bytes / MIB:.2f} MiB" for r in rs)  # noqa: E731
+  return (
+    "peak memory (the table's: XLA's compiled peak of the whole training step, gradient and "
+    "Adam update, parameters and optimizer state donated; the gradient program above is part "
+    f"of it): within the {p.memory_limit / MIB:.1f} MiB budget {said(within) or 'none'}; "
+    f"over it {said(over) or 'none'}"
   )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import platform
 import sys
@@ -18,46 +20,106 @@ from optax_accum._lm import budget, data, methods, model, report, require
 PRESETS = {
   "full": (model.Config(seq_len=128, width=64, heads=4, layers=2), 32, 60, 8192, 12.0),
   "quick": (model.Config(seq_len=64, width=32, heads=2, layers=1), 4, 8, 1024, 1.5),
+  # One GPU (benchmarks/gpu.sh): a model and batch that keep it busy, a minute or two.
+  "gpu": (model.Config(seq_len=256, width=512, heads=8, layers=6), 256, 30, 16384, 4096.0),
 }
 EVAL_DOCS = 256
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _number(kind: type, test, needs: str):
+  """An argparse `type`: parses `kind`, then checks it (``argument --x: must be ..., got ...``)."""
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}") from None
+    if not test(value):
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}")
+    return value
+
+  parse.__name__ = needs
+  return parse
+
+
+POSITIVE_INT = _number(int, lambda v: v >= 1, "a positive int")
+NON_NEGATIVE_INT = _number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+POSITIVE = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+
+
+def _writable_dir(p: argparse.ArgumentParser, flag: str, path: str) -> None:
+  """Fails the parse unless `path` is a directory this process can create and write to."""
+  if not path.strip():
+    p.error(f"{flag} must name a directory, got {path!r}")
+  try:
+    os.makedirs(path, exist_ok=True)
+    probe = os.path.join(path, f".write-test-{os.getpid()}")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as e:
+    p.error(f"{flag} {path!r} is not a directory this process can write to: {e.strerror}")
+
+
+def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m optax_accum.demo lm",
     description="Train a byte-level transformer on the standard library's source four ways "
-    "(large batch, TrainStep, microbatch, naive mean of means) on the same micro-batches.",
+    "(large batch, TrainStep, microbatch, naive mean of means) on the same micro-batches; "
+    "with --checkpoint-dir, TrainStep alone, checkpointed and resumable.",
   )
   p.add_argument("--quick", action="store_true", help="a small model and run (tests, CI)")
-  p.add_argument("--batch-size", type=int, help="sequences per optimizer step (the recipe)")
-  p.add_argument("--steps", type=int, help="optimizer steps")
-  p.add_argument("--memory-budget-mib", type=float, help="the budget plan_microbatches meets")
-  p.add_argument("--k", type=int, help="micro-batches per step (default: the planned k)")
-  p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate (default 3e-3)")
-  p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
-  p.add_argument("--out", default="lm_results", help="folder for results.md and lm_loss.png")
+  p.add_argument(
+    "--size", choices=sorted(PRESETS), help="model and run sizes (default full; --quick: quick)"
+  )
+  p.add_argument("--batch-size", type=POSITIVE_INT, help="sequences per optimizer step")
+  p.add_argument("--steps", type=POSITIVE_INT, help="optimizer steps")
+  p.add_argument(
+    "--memory-budget-mib", type=POSITIVE, help="the budget plan_microbatches meets (MiB)"
+  )
+  p.add_argument(
+    "--k", type=POSITIVE_INT, help="micro-batches per step (default: plan_microbatches' k)"
+  )
+  p.add_argument("--lr", type=POSITIVE, default=3e-3, help="Adam learning rate (default 3e-3)")
+  p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seed for init and data order")
+  p.add_argument("--out", help="folder for results.md and lm_loss.png (default lm_results)")
   p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   p.add_argument("--checkpoint-dir", help="train TrainStep only, checkpointing and resuming here")
-  p.add_argument("--checkpoint-every", type=int, default=3, help="micro-steps between checkpoints")
+  p.add_argument(
+    "--checkpoint-every", type=POSITIVE_INT, default=3, help="micro-steps between checkpoints"
+  )
   p.add_argument(
     "--distributed", action="store_true", help="with --checkpoint-dir: jax.distributed (launch)"
   )
+  return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+  """The flags, each checked: a bad one exits with argparse's usage and a message naming it."""
+  p = _parser()
   args = p.parse_args(argv)
   given = sys.argv[1:] if argv is None else list(argv)
   args.command = " ".join(["python -m optax_accum.demo lm", *given])
-  cfg, batch, steps, docs, mib = PRESETS["quick" if args.quick else "full"]
+  if args.quick and args.size not in (None, "quick"):
+    p.error(f"--quick contradicts --size {args.size}")
+  args.size = "quick" if args.quick else (args.size or "full")
+  args.quick = args.size == "quick"
+  cfg, batch, steps, docs, mib = PRESETS[args.size]
   args.cfg, args.num_docs = cfg, docs
   args.batch_size = batch if args.batch_size is None else args.batch_size
   args.steps = steps if args.steps is None else args.steps
   args.memory_budget_mib = mib if args.memory_budget_mib is None else args.memory_budget_mib
-  for flag in ("batch_size", "steps", "k", "checkpoint_every"):
-    value = getattr(args, flag)
-    if value is not None and value < 1:
-      p.error(f"--{flag.replace('_', '-')} must be a positive int, got {value}")
-  if args.memory_budget_mib <= 0:
-    p.error(f"--memory-budget-mib must be positive, got {args.memory_budget_mib}")
   if args.k is not None and args.batch_size % args.k:
     p.error(f"--batch-size must be a multiple of --k={args.k}, got {args.batch_size}")
+  if args.checkpoint_dir is None:
+    if args.distributed:
+      p.error("--distributed needs --checkpoint-dir (only the checkpointed run is distributed)")
+    args.out = "lm_results" if args.out is None else args.out
+    _writable_dir(p, "--out", args.out)
+  else:
+    if args.out is not None:
+      p.error("--out is for the four-way run; with --checkpoint-dir the run writes there")
+    _writable_dir(p, "--checkpoint-dir", args.checkpoint_dir)
   return args
 
 
@@ -92,12 +154,11 @@ def noise_scale_hook(results) -> str | None:
 def train_all(args, loss, params0, windows, held_out):
   """The four runs and the float32 floor, evaluated and compared with the large batch."""
   evaluate = jax.jit(loss)
-  results = []
-  for name in (*methods.METHODS, methods.FLOOR):
-    r = methods.train(name, loss, params0, windows, args.lr, progress=not args.no_progress)
+  names = (*methods.METHODS, methods.FLOOR)
+  results = methods.train(names, loss, params0, windows, args.lr, progress=not args.no_progress)
+  for r in results:
     r.final_loss = float(evaluate(r.params, held_out))
-    r.max_param_diff = methods.max_diff(r.params, results[0].params) if results else 0.0
-    results.append(r)
+    r.max_param_diff = methods.max_diff(r.params, results[0].params) if r is not results[0] else 0.0
   return results
 
 
@@ -122,11 +183,13 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
     f"lm: {len(tokens)} documents of the standard library (seq_len {args.cfg.seq_len}, "
     f"{mask.mean():.0%} real tokens), {dataclasses.astuple(args.cfg)[1:]} (width, heads, "
     f"layers): {n_params:,} params; {args.steps} steps of {args.batch_size} sequences, k={k}"
+    + ("" if args.k else " (planned)")
   )
   print(budget.describe(plan, args.batch_size))
   it = iter(data.dataset(tokens, mask, args.batch_size // k, seed=args.seed))
   results = train_all(args, loss, params0, data.windows(it, k, args.steps), held_out)
   print(report.table(results))
+  print(budget.step_peaks(plan, results))
   line = noise_scale_hook(results)
   if line:
     print(line)
@@ -135,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
 
 
 def write(args, results, plan, k: int, seconds: float) -> None:
-  """results.md (command, budget line, table) and lm_loss.png under ``--out``."""
+  """results.md (command, budget line, table), results.json (the figures the guide quotes)
+  and lm_loss.png under ``--out``."""
   os.makedirs(args.out, exist_ok=True)
   png = os.path.join(args.out, "lm_loss.png")
   title = f"Byte LM on the stdlib, batch {args.batch_size} = {k} x {args.batch_size // k}"
@@ -151,11 +215,15 @@ def write(args, results, plan, k: int, seconds: float) -> None:
     "",
     report.markdown(results),
     "",
+    f"{budget.step_peaks(plan, results)}. Held-out loss: the token-mean loss of the "
+    f"{EVAL_DOCS} documents after the training ones, after training (the progress bars show "
+    "each step's training loss). tokens/s: the median over windows, after a warm-up window.",
+    "",
     f"{noise_scale_hook(results) or 'B_simple: not measured'}. {report.NOISE_NOTE}",
     "",
     f"float32 floor (the large batch with its rows reordered): max |Δθ| {floor:.2e}; "
-    f"naive: {naive.max_param_diff:.2e}, final loss {naive.final_loss - results[0].final_loss:+.5f}"
-    " vs the large batch.",
+    f"naive: {naive.max_param_diff:.2e}, held-out loss "
+    f"{naive.final_loss - results[0].final_loss:+.5f} vs the large batch.",
     "",
     f"Wall time {seconds:.0f} s on {platform.machine()} ({os.cpu_count()} cores), "
     f"jax {jax.__version__}, {jax.devices()[0].platform}, load average {os.getloadavg()[0]:.1f} "
@@ -163,4 +231,7 @@ def write(args, results, plan, k: int, seconds: float) -> None:
   ]
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write("\n".join(text) + "\n")
+  quoted = report.figures(results, plan, args.batch_size, k, seconds)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump({"command": args.command, "figures": quoted}, f, indent=1, ensure_ascii=False)
   print(f"table and loss curves written to {args.out}/ (results.md, lm_loss.png)")

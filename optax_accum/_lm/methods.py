@@ -44,9 +44,12 @@ class Result:
   losses: np.ndarray  # per optimizer step: the window's token-mean loss, before its update
   reported: np.ndarray  # per optimizer step: the loss the method itself reports
   params: Any
-  peak_bytes: int  # XLA's compiled peak of the step program(s)
-  seconds: float  # the training loop, compilation excluded
+  peak_bytes: int  # XLA's compiled peak of the training step program (the larger of two)
+  seconds: float  # the training loop, compilation and warm-up excluded
   tokens: int  # real tokens trained on
+  # the median over windows of a window's real tokens / its time (after a warm-up window on
+  # copies, so the first timed window does not pay for first-call costs)
+  tokens_per_s: float
   final_loss: float = float("nan")  # held-out token-mean loss after training
   max_param_diff: float = float("nan")  # vs the large batch
   # TrainStep only, per optimizer step: the smoothed B_simple and the window's own T/Q, in tokens
@@ -182,33 +185,59 @@ BUILDERS: dict[str, Callable] = {
 }
 
 
-def train(name: str, loss, params0, windows, lr: float, progress: bool = True) -> Result:
-  """Trains from `params0` by method `name` on `windows` (steps x k micro-batches)."""
+class _Run:
+  """One method's training run, stepped one window at a time (compiled and warmed up first)."""
+
+  def __init__(self, name: str, loss, params0, windows, lr: float):
+    self.name, n = name, len(windows)
+    params = _commit(params0)  # a copy: the steps donate their inputs
+    self.window_step, self.params, self.state, self.peak = BUILDERS[name](loss, params, windows, lr)
+    self.window_step(_commit(self.params), _commit(self.state), windows[0])  # warm-up, on copies
+    self.losses, self.reported, self.seconds = np.zeros(n), np.zeros(n), np.zeros(n)
+    self.noise = np.full((n, 2), np.nan)
+
+  def step(self, s: int, window) -> None:
+    start = time.perf_counter()
+    self.params, self.state, value, said = self.window_step(self.params, self.state, window)
+    self.losses[s], self.reported[s] = float(value), float(said)  # waits for the window's end
+    self.seconds[s] = time.perf_counter() - start
+    if self.name == NOISY:
+      self.noise[s] = _noise(self.state)
+
+  def result(self, windows) -> Result:
+    jax.block_until_ready(self.params)
+    per_window = np.array([sum(float(mb["mask"].sum()) for mb in w) for w in windows])
+    rate = float(np.median(per_window / self.seconds))
+    r = Result(self.name, self.losses, self.reported, self.params, self.peak,
+               float(self.seconds.sum()), int(per_window.sum()), rate)  # fmt: skip
+    if self.name == NOISY:
+      r.b_simple, r.window_b_simple = self.noise[:, 0], self.noise[:, 1]
+    return r
+
+
+def train(names: Sequence[str], loss, params0, windows, lr: float, progress: bool = True):
+  """Trains from `params0` by each method of `names` on `windows` (steps x k micro-batches).
+
+  The runs advance together, window by window, in an order that rotates each window, so that
+  a burst of load on a shared machine hits every method alike (their tokens/s compare).
+
+  Returns:
+    One `Result` per name, in the order of `names`.
+  """
   from optax_accum._lm import require  # noqa: PLC0415
 
   tqdm = require("tqdm").tqdm
-  params = _commit(params0)  # a copy: the steps donate their inputs
-  window_step, params, state, peak = BUILDERS[name](loss, params, windows, lr)
-  losses, reported = np.zeros(len(windows)), np.zeros(len(windows))
-  noise = np.full((len(windows), 2), np.nan)
-  bar = tqdm(windows, desc=f"{name:>11}", disable=not progress, leave=True)
-  start = time.perf_counter()
+  runs = [_Run(name, loss, params0, windows, lr) for name in names]
+  bar = tqdm(windows, desc="windows", disable=not progress, leave=True)
   for s, window in enumerate(bar):
-    params, state, value, said = window_step(params, state, window)
-    losses[s], reported[s] = float(value), float(said)
-    if name == NOISY:
-      noise[s] = _noise(state)
+    for run in runs[s % len(runs) :] + runs[: s % len(runs)]:
+      run.step(s, window)
     if s % 10 == 0 or s == len(windows) - 1:
-      extra = {"B_simple": f"{noise[s, 0]:,.0f} tokens"} if name == NOISY else {}
-      bar.set_postfix(loss=f"{losses[s]:.3f}", **extra)
-  jax.block_until_ready(params)
-  seconds = time.perf_counter() - start
+      noisy = next((r for r in runs if r.name == NOISY), None)
+      extra = {} if noisy is None else {"B_simple": f"{noisy.noise[s, 0]:,.0f} tokens"}
+      bar.set_postfix({"train loss": f"{runs[0].losses[s]:.3f}", **extra})
   bar.close()
-  tokens = int(sum(mb["mask"].sum() for window in windows for mb in window))
-  r = Result(name, losses, reported, params, peak, seconds, tokens)
-  if name == NOISY:
-    r.b_simple, r.window_b_simple = noise[:, 0], noise[:, 1]
-  return r
+  return [run.result(windows) for run in runs]
 
 
 def max_diff(a, b) -> float:

@@ -8,9 +8,14 @@ window's weighted sums and position included) and each process's grain iterator 
 writes a checkpoint into a temporary directory and renames it when every file is written, so a
 checkpoint that a kill interrupts is never listed, never restored. Started again on the same
 directory, the run restores the latest finished checkpoint and goes on: it reads the same
-micro-batches and ends with the same parameters, to the bit, as a run never interrupted.
+micro-batches and ends with the same parameters, to the bit, as a run never interrupted. Each
+checkpoint also holds the run's configuration (`run_config`): a resume under another one
+refuses before it restores anything.
 
-After each micro-step it prints ``micro-step N/TOTAL window position P/K`` (flushed): a test
+`examples/lm_resume.py` is the same recipe on public names only, for one process.
+
+After each micro-step it prints ``micro-step N/TOTAL window position P/K`` (flushed; P = K:
+the window closed and the update was applied): a test
 can wait for one and kill the process there. With the environment variable
 ``OPTAX_ACCUM_LM_STOP_AT=N`` the process stops itself (SIGSTOP, every thread: an asynchronous
 save in flight stays half-written) right after that line for micro-step N, to be killed there.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import jax
 import numpy as np
@@ -28,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._lm import data, model, require
+from optax_accum._lm import budget, data, model, require, run_config
 
 AXIS = "data"
 STOP_AT = "OPTAX_ACCUM_LM_STOP_AT"
@@ -53,8 +59,8 @@ def _manager(directory: str, every: int):
   return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 
-def _items(params, state, iterator, restore: bool):
-  """The checkpoint's three items, as Orbax save (or restore) arguments."""
+def _items(params, state, iterator, config: dict, restore: bool):
+  """The checkpoint's four items, as Orbax save (or restore) arguments."""
   ocp, grain = require("orbax.checkpoint"), require("grain")
   if restore:
     abstract = lambda tree: jax.tree.map(  # noqa: E731
@@ -69,6 +75,7 @@ def _items(params, state, iterator, restore: bool):
     params=ocp.args.StandardSave(params),
     opt_state=ocp.args.StandardSave(state),
     data=grain.checkpoint.CheckpointSave(_Snapshot(iterator)),
+    config=ocp.args.JsonSave(config),
   )
 
 
@@ -85,14 +92,26 @@ def _replicated(mesh, tree):
   )
 
 
+def _window_k(args, loss, params) -> int:
+  """``--k``, or the k that `plan_microbatches` picks under ``--memory-budget-mib``."""
+  if args.k:
+    return args.k
+  limit = int(args.memory_budget_mib * budget.MIB)
+  return budget.plan(loss, params, args.batch_size, args.cfg.seq_len, limit).num_microbatches
+
+
 def _setup(args):
   """The mesh, the train step, the initial (replicated) parameters and state, the iterator."""
   mesh = jax.make_mesh((jax.device_count(),), (AXIS,))
-  k = args.k or 4
+  graphdef, params0 = model.init(args.cfg, args.seed)
+  k = _window_k(args, model.loss_fn(graphdef), params0)
   rows = args.batch_size // k
   if rows % jax.device_count():
-    raise SystemExit(f"--batch-size / k = {rows} rows must split over {jax.device_count()} devices")
-  graphdef, params0 = model.init(args.cfg, args.seed)
+    raise SystemExit(
+      f"--batch-size / k = {args.batch_size} / {k} = {rows} rows per micro-batch must split "
+      f"over the {jax.device_count()} devices: give a --batch-size that is a multiple of "
+      f"{k * jax.device_count()}"
+    )
   docs = data.documents(args.num_docs)
   tokens, mask = data.encode(docs, args.cfg.seq_len)
   pi, pc = jax.process_index(), jax.process_count()
@@ -105,6 +124,29 @@ def _setup(args):
   return mesh, step, params, step.init(params), iter(ds), k
 
 
+def _check_resumable(manager, start: int, config: dict, total: int, directory: str) -> None:
+  """Exits (code 2, the message) unless the checkpoints were written by this configuration."""
+  ocp = require("orbax.checkpoint")
+  try:
+    saved = manager.restore(start, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+  except (KeyError, ValueError, FileNotFoundError) as e:
+    raise SystemExit(
+      f"refusing to resume {directory}: checkpoint {start} holds no run configuration (written "
+      f"by an older version?): give another --checkpoint-dir to start a new run. ({e})"
+    ) from None
+  refusal = run_config.mismatch(saved["config"], config, directory) or run_config.past_the_end(
+    start, total, config["k"], directory
+  )
+  if refusal:
+    print(refusal, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _position(mini_step: int, k: int) -> int:
+  """The window position after a micro-step: k (not 0) once the window has closed."""
+  return mini_step or k
+
+
 def main(args):
   """Trains with checkpoints, resuming from the latest; writes the final parameters."""
   if args.distributed:
@@ -113,18 +155,21 @@ def main(args):
     launch.initialize()
   mesh, step, params, state, iterator, k = _setup(args)
   total, stop_at = args.steps * k, int(os.environ.get(STOP_AT, "0"))
+  config = run_config.of(args, k, jax.process_count())
   manager = _manager(os.path.join(args.checkpoint_dir, "checkpoints"), args.checkpoint_every)
   start = manager.latest_step() or 0
   print(f"process {jax.process_index()} of {jax.process_count()}: pid {os.getpid()}", flush=True)
   if start:
-    restored = manager.restore(start, args=_items(params, state, iterator, restore=True))
+    _check_resumable(manager, start, config, total, args.checkpoint_dir)
+    restored = manager.restore(start, args=_items(params, state, iterator, config, restore=True))
     params, state = restored["params"], restored["opt_state"]
-    print(f"restored micro-step {start} window position {int(state.mini_step)}/{k}", flush=True)
+    position = _position(int(state.mini_step), k)
+    print(f"restored micro-step {start} window position {position}/{k}", flush=True)
   for n in range(start + 1, total + 1):
     params, state, _ = step(params, state, _global(mesh, next(iterator)))
     jax.block_until_ready(params)
-    manager.save(n, args=_items(params, state, iterator, restore=False))
-    print(f"micro-step {n}/{total} window position {n % k}/{k}", flush=True)
+    manager.save(n, args=_items(params, state, iterator, config, restore=False), force=n == total)
+    print(f"micro-step {n}/{total} window position {_position(n % k, k)}/{k}", flush=True)
     if n == stop_at:
       os.kill(os.getpid(), signal.SIGSTOP)
   manager.wait_until_finished()

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU, at most 8 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
+# TrainStep, both emission modes), the within-step section, the noise-scale cost, TrainStep's
+# compile time, then the language model's tokens/s at a size that keeps the GPU busy. Writes
+# benchmarks/results/gpu/ (bench tables and plots, compile.md, lm/).
+#
+#   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
+#   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
+#                                      # (880 s on a shared 2-core CPU, load ~12, 2026-12-01)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$SECONDS
+scale=gpu_short
+out=benchmarks/results/gpu
+lm=(--size gpu)
+limit=(timeout 360)  # each phase has its own limit: the whole stays within 8 minutes (6 + 2)
+lm_limit=(timeout 120)
+if [[ "${1:-}" == "--dry-run" ]]; then
+  scale=gpu_dry_run
+  out=benchmarks/results/tmp/gpu-dry-run
+  lm=(--quick)
+  limit=()  # a shared CPU is slower than the GPU budget assumes
+  lm_limit=()
+elif [[ -n "${1:-}" ]]; then
+  echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2
+  exit 2
+fi
+python -c "import jax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind)"
+"${limit[@]}" python benchmarks/bench.py --scale "$scale" \
+  --only cross,emission,noise,within,compile --out "$out"
+"${lm_limit[@]}" python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm"
+echo "gpu.sh: done in $((SECONDS - start)) s -> $out"

@@ -1,0 +1,34 @@
+"""`benchmarks/gpu.sh --dry-run`: the one-GPU script end to end on tiny sizes (any CPU), so that
+it is known to run before a GPU is lent for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+pytestmark = pytest.mark.slow  # every benchmark section and the LM run: minutes
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_gpu_script_dry_run_writes_every_section():
+  out = ROOT / "benchmarks" / "results" / "tmp" / "gpu-dry-run"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run(
+    ["bash", str(ROOT / "benchmarks" / "gpu.sh"), "--dry-run"],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+  )  # fmt: skip
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "gpu.sh: done in " in proc.stdout
+  res = json.loads((out / "results.json").read_text())
+  assert res["meta"]["scale"] == "gpu_dry_run"
+  assert res["cross"] and res["noise"] and res["within"] and res["compile"]
+  contenders = {row["contender"] for row in res["cross"]}
+  assert any("TrainStep" in c for c in contenders) and any("MultiSteps" in c for c in contenders)
+  assert "TrainStep.compile" in (out / "compile.md").read_text()
+  assert "tokens/s" in (out / "lm" / "results.md").read_text()

@@ -1,0 +1,94 @@
+"""`examples/lm_resume.py`, the language-model guide's recipe, run as a user runs it: killed with
+SIGKILL mid-window and started again on the same directory, it ends with the parameters of a run
+never interrupted, bit for bit; started under another configuration, it refuses.
+
+With k = 5 and a checkpoint every 4 micro-steps, every checkpoint before the last one (4, 8, 12,
+16: window positions 4, 3, 2, 1 of 5) is mid-window, wherever the kill lands.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # processes killed and restarted: an integration test
+
+SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "lm_resume.py"
+TOTAL = 20  # the script's defaults: k = 5, 4 optimizer steps
+
+
+def _env() -> dict:
+  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+
+
+def _run(directory, *flags: str) -> subprocess.CompletedProcess:
+  command = [sys.executable, str(SCRIPT), "--dir", str(directory), *flags]
+  return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def _killed_at(directory, line: str) -> None:
+  """Starts the script and SIGKILLs it as soon as it prints `line`."""
+  command = [sys.executable, str(SCRIPT), "--dir", str(directory)]
+  proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, text=True)
+  seen = []
+  for out in proc.stdout:
+    seen.append(out)
+    if out.startswith(line):
+      proc.send_signal(signal.SIGKILL)
+      break
+  assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
+
+
+def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
+  want = _run(tmp_path / "uninterrupted")
+  assert want.returncode == 0, want.stderr[-3000:]
+
+  ckpt = tmp_path / "killed"
+  _killed_at(ckpt, "micro-step 9/")
+  resumed = _run(ckpt)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  step, position = map(int, re.search(r"resumed after micro-step (\d+): window position (\d+)/5",
+                                      resumed.stdout).groups())  # fmt: skip
+  assert 4 <= step < TOTAL and position == step % 5 and position != 0  # mid-window
+  assert f"micro-step {TOTAL}/{TOTAL}" in resumed.stdout
+  assert f"micro-step {step}/" not in resumed.stdout  # nothing trained twice
+
+  got = np.load(ckpt / "final_params.npz")
+  ref = np.load(tmp_path / "uninterrupted" / "final_params.npz")
+  assert sorted(got.files) == sorted(ref.files) == ["down", "embed", "head", "pos", "up"]
+  for name in ref.files:
+    np.testing.assert_array_equal(got[name], ref[name], err_msg=name, strict=True)
+  assert not np.array_equal(ref["head"], _initial_head())  # it trained
+
+
+def _initial_head() -> np.ndarray:
+  sys.path.insert(0, str(SCRIPT.parent))
+  try:
+    import lm_resume  # noqa: PLC0415
+
+    return np.asarray(lm_resume.init_params(0, 32, 64)["head"])
+  finally:
+    sys.path.remove(str(SCRIPT.parent))
+
+
+def test_lm_example_refuses_another_configuration(tmp_path):
+  first = _run(tmp_path, "--steps", "2")
+  assert first.returncode == 0, first.stderr[-3000:]
+  other = _run(tmp_path, "--steps", "2", "--k", "4", "--seed", "1")
+  assert other.returncode == 1 and "micro-step" not in other.stdout
+  assert (
+    "refusing to resume: --k 5 in the checkpoints, 4 now; --seed 0 in the checkpoints, 1 now. "
+    "Resume with --k 5 --seed 0, or give a new --dir." in other.stderr
+  )
+  fewer = _run(tmp_path, "--steps", "1")
+  assert fewer.returncode == 1 and "at micro-step 10, past --steps 1 (5)" in fewer.stderr
+  more = _run(tmp_path, "--steps", "3")  # more steps extend the run
+  assert more.returncode == 0 and "resumed after micro-step 10: window position 0/5" in more.stdout
+  assert "micro-step 15/15" in more.stdout
