@@ -255,7 +255,7 @@ def test_9_a_state_made_for_every_k_1_in_a_window_of_4():
   params = np.ones(3, np.float32)
   state = optax_accum.accumulate(SGD, 1).init(params)
   step = optax_accum.TrainStep(loss, SGD, 4)
-  with pytest.raises(ValueError, match="made with every_k=1 .* updated with every_k=4"):
+  with pytest.raises(ValueError, match="made with every_k=1 .* this TrainStep has every_k=4"):
     step(params, state, np.ones(3, np.float32))
   tx = optax_accum.accumulate(SGD, 1)
   with pytest.raises(ValueError, match="made with every_k > 1 .* updated with every_k=1"):

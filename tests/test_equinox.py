@@ -111,7 +111,7 @@ class _Norm(eqx.Module):
 
   def __init__(self, key):
     self.linear = eqx.nn.Linear(3, 4, key=key)
-    self.norm = eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.5)
+    self.norm = eqx.nn.BatchNorm(4, axis_name="batch", momentum=0.5, mode="batch")
 
   def __call__(self, x, state):
     return self.norm(jax.nn.relu(self.linear(x)), state)
