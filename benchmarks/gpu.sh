@@ -18,7 +18,7 @@ lm_limit=(timeout 120)
 if [[ "${1:-}" == "--dry-run" ]]; then
   scale=gpu_dry_run
   out=benchmarks/results/tmp/gpu-dry-run
-  lm=(--quick)
+  lm=(--size dry)
   limit=()  # a shared CPU is slower than the GPU budget assumes
   lm_limit=()
 elif [[ -n "${1:-}" ]]; then
