@@ -148,8 +148,8 @@ SCALES["gpu_short"] = dict(
 )
 # `benchmarks/gpu.sh --dry-run` on any CPU: every section and code path of the GPU script end to
 # end, not a measurement. Its cost is compiling XLA programs (dozens per model and section), so:
-# one tiny MLP (a transformer doubles the compile time), one k > 1 (the emission section's), one
-# round of each, within-step ks 1 and 2 (2: the padded and compile rows), one compile sample.
+# one tiny MLP (a transformer doubles the compile time), one k > 1 in every section (k=1 runs
+# none of the accumulating paths), one round of each, one compile sample.
 SCALES["gpu_dry_run"] = dict(
   SCALES["quick"],
   cross_models=[(("mlp", (8, 16, 4)), 2)],
@@ -162,7 +162,7 @@ SCALES["gpu_dry_run"] = dict(
   noise_micro_steps=2,
   within_mlp=(8, 16, 4),
   global_batch=8,
-  within_ks=(1, 2),
+  within_ks=(2,),
   within_rounds=1,
   within_compile_repeats=1,
   compile_k=2,
