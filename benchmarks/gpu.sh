@@ -6,11 +6,12 @@
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
-#                                      # (127 s on a shared 2-core CPU, load 4.6 before, 2026-12-01)
+#                                      # (84 s on a shared 2-core CPU, load 5.4 before, 2026-12-01)
 #
 # The dry run checks that every section and path runs and writes its files, nothing more: its
 # cost is compiling ~100 small XLA programs, so its sizes are the smallest that run every path
-# (bench.py's gpu_dry_run, the LM's --size dry), and its two phases run side by side.
+# (bench.py's gpu_dry_run, the LM's --size dry), its two phases run side by side, and XLA
+# compiles without LLVM's optimizations.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -24,6 +25,9 @@ if [[ "${1:-}" == "--dry-run" ]]; then
   out=benchmarks/results/tmp/gpu-dry-run
   lm=(--size dry)
   limit=()  # a shared CPU is slower than the GPU budget assumes
+  # Nothing is measured: XLA's CPU backend compiles without LLVM's optimizations (half the time).
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
+  XLA_FLAGS+=" --xla_llvm_disable_expensive_passes=true"
   lm_limit=()
 elif [[ -n "${1:-}" ]]; then
   echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2
