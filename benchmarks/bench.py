@@ -146,17 +146,26 @@ SCALES["gpu_short"] = dict(
   within_rounds=5,
   compile_rounds=2,
 )
-# `benchmarks/gpu.sh --dry-run` on any CPU: the same sections on the smallest sizes, one round
-# of each, to know the script runs end to end (figures not meaningful).
+# `benchmarks/gpu.sh --dry-run` on any CPU: every section and code path of the GPU script end to
+# end, not a measurement. Its cost is compiling XLA programs (dozens per model and section), so:
+# one tiny MLP (a transformer doubles the compile time), one k > 1 in every section (k=1 runs
+# none of the accumulating paths), one round of each, one compile sample.
 SCALES["gpu_dry_run"] = dict(
   SCALES["quick"],
-  cross_models=[SCALES["quick"]["cross_models"][0], SCALES["quick"]["cross_models"][2]],
-  micro_steps=4,
+  cross_models=[(("mlp", (8, 16, 4)), 2)],
+  ks=(2,),
+  micro_steps=2,
   min_rounds=1,
+  dispatch_k=2,
   dispatch_windows=1,
-  noise_micro_steps=4,
-  within_ks=(1, 2, 4),
+  noise_ks=(2,),
+  noise_micro_steps=2,
+  within_mlp=(8, 16, 4),
+  global_batch=8,
+  within_ks=(2,),
   within_rounds=1,
+  within_compile_repeats=1,
+  compile_k=2,
   compile_rounds=1,
 )
 
@@ -343,7 +352,9 @@ def main(argv=None):
     }
     wcfg = dict(cfg, ks=cfg["within_ks"])
     res["within"] = _within.run(model, wcfg, progress=bar, log=log)
-    res["within_compile"] = _within.compile_times(model, wcfg, log=log)
+    res["within_compile"] = _within.compile_times(
+      model, wcfg, repeats=cfg.get("within_compile_repeats", 3), log=log
+    )
   if "precision" in only:
     res["precision"] = _precision.run(cfg, progress=bar, log=log)
   if "distributed" in only:

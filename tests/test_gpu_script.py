@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.slow  # every benchmark section and the LM run: minutes
+pytestmark = pytest.mark.slow  # every benchmark section and the LM run: ~1-2 minutes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -30,5 +30,10 @@ def test_gpu_script_dry_run_writes_every_section():
   assert res["cross"] and res["noise"] and res["within"] and res["compile"]
   contenders = {row["contender"] for row in res["cross"]}
   assert any("TrainStep" in c for c in contenders) and any("MultiSteps" in c for c in contenders)
+  assert any(row["dispatch"] for row in res["cross"])  # the emission section
+  assert any(row.get("case") == "padded" for row in res["within"]) and res["within_compile"]
+  assert any("TrainStep" in c for row in res["noise"] for c in row["contenders"])
+  assert set(res["compile"][0]["seconds"]) == {"protocol (one program)", "TrainStep, sequential",
+                                               "TrainStep.compile"}  # fmt: skip
   assert "TrainStep.compile" in (out / "compile.md").read_text()
   assert "tokens/s" in (out / "lm" / "results.md").read_text()

@@ -20,6 +20,8 @@ from optax_accum._lm import budget, data, methods, model, report, require
 PRESETS = {
   "full": (model.Config(seq_len=128, width=64, heads=4, layers=2), 32, 60, 8192, 12.0),
   "quick": (model.Config(seq_len=64, width=32, heads=2, layers=1), 4, 8, 1024, 1.5),
+  # `benchmarks/gpu.sh --dry-run`: every path of the run (planned k=2 included), nothing measured.
+  "dry": (model.Config(seq_len=16, width=8, heads=1, layers=1), 4, 2, 64, 0.2),
   # One GPU (benchmarks/gpu.sh): a model and batch that keep it busy, a minute or two.
   "gpu": (model.Config(seq_len=256, width=512, heads=8, layers=6), 256, 30, 16384, 4096.0),
 }
