@@ -13,6 +13,7 @@ import sys
 import _reference as ref
 import jax
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 
 import optax_accum
@@ -27,6 +28,26 @@ def setup():
   params = ref.mlp_params(0, (16, 4))
   batches = ref.split(ref.regression_data(0, TOTAL * 8, 16, 4), TOTAL)
   return params, batches, optax_accum.accumulate(ref.ADAM, K)
+
+
+# The same run with the batch following the noise scale and the learning rate following the
+# AdaScale gain (issue 22): window lengths chosen on the device, a schedule on progress τ.
+GAIN_TOTAL = 16
+GAIN_SAVE_AT = 7
+
+
+def setup_gain():
+  params = ref.mlp_params(0, (16, 4))
+  batches = ref.split(ref.regression_data(0, GAIN_TOTAL * 8, 16, 4), GAIN_TOTAL)
+  lr = optax.cosine_decay_schedule(1e-2, 12)
+  inner = optax.chain(
+    optax.scale_by_adam(), optax_accum.scale_by_gain(lr, base_weight=2, rule="sqrt")
+  )
+  every_k = optax_accum.FollowNoiseScale(2, 4)
+  return params, batches, optax_accum.accumulate(inner, every_k, noise_scale=True)
+
+
+VARIANTS = {"adam": (setup, TOTAL, SAVE_AT), "gain": (setup_gain, GAIN_TOTAL, GAIN_SAVE_AT)}
 
 
 def run(tx, params, state, batches):
@@ -45,39 +66,45 @@ def restore(path, abstract):
   return ocp.StandardCheckpointer().restore(path, abstract)
 
 
-def save_mid_window(path):
-  """Trains SAVE_AT micro-steps and checkpoints parameters and optimizer state."""
-  params, batches, tx = setup()
-  params, state = run(tx, params, tx.init(params), batches[:SAVE_AT])
+def save_mid_window(path, variant="adam"):
+  """Trains the variant's SAVE_AT micro-steps and checkpoints parameters and optimizer state."""
+  make, _, save_at = VARIANTS[variant]
+  params, batches, tx = make()
+  params, state = run(tx, params, tx.init(params), batches[:save_at])
   save(path, params, state)
   return params, state
 
 
-def uninterrupted():
-  params, batches, tx = setup()
+def uninterrupted(variant="adam"):
+  params, batches, tx = VARIANTS[variant][0]()
   return run(tx, params, tx.init(params), batches)
 
 
-def resume(path, out):
-  params0, batches, tx = setup()
+def resume(path, out, variant="adam"):
+  make, _, save_at = VARIANTS[variant]
+  params0, batches, tx = make()
   abstract = jax.eval_shape(lambda p: {"params": p, "opt_state": tx.init(p)}, params0)
   restored = restore(path, abstract)
   state = restored["opt_state"]
   if not isinstance(state, optax_accum.AccumulateState):
     raise TypeError(f"restored optimizer state is a {type(state).__name__}")
   mini_step, acc_w = int(state.mini_step), np.asarray(state.acc_grads["w0"])
-  params, state = run(tx, restored["params"], state, batches[SAVE_AT:])
+  params, state = run(tx, restored["params"], state, batches[save_at:])
+  extra = {}
+  if variant == "gain":
+    extra = dict(progress=np.asarray(optax_accum.progress(state)), window_k=int(state.window_k))
   np.savez(
     out,
     **{name: np.asarray(value) for name, value in params.items()},
     restored_mini_step=mini_step,
     restored_acc_w=acc_w,
     gradient_step=int(state.gradient_step),
+    **extra,
   )
 
 
 if __name__ == "__main__":
-  mode, path, out = sys.argv[1:]
+  mode, path, out, *variant = sys.argv[1:]
   if mode != "resume":
-    raise SystemExit(f"usage: {sys.argv[0]} resume CKPT_DIR OUT.npz (got mode {mode!r})")
-  resume(path, out)
+    raise SystemExit(f"usage: {sys.argv[0]} resume CKPT_DIR OUT.npz [VARIANT] (got {mode!r})")
+  resume(path, out, *variant)

@@ -55,6 +55,36 @@ def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
   chex.assert_trees_all_equal(resumed, params, strict=True)
 
 
+def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_issue_22(tmp_path):
+  """The batch following the noise scale and the learning rate the AdaScale gain: a checkpoint
+  inside a window, resumed in a fresh process, finishes bit-identical to the uninterrupted run,
+  with the same progress τ and the same next window length."""
+  saved_params, saved_state = worker.save_mid_window(tmp_path / "ckpt", "gain")
+  assert int(saved_state.mini_step) > 0  # inside a window
+  assert int(saved_state.gradient_step) >= 2  # after updates whose gains entered τ
+  assert float(optax_accum.progress(saved_state)) > int(saved_state.gradient_step)  # some r > 1
+
+  out = tmp_path / "resumed.npz"
+  proc = subprocess.run(
+    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out), "gain"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=_env_importing_this_checkout(),
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  resumed = dict(np.load(out))
+  assert int(resumed.pop("restored_mini_step")) == int(saved_state.mini_step)
+  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.acc_grads["w0"])
+
+  params, state = worker.uninterrupted("gain")
+  assert int(resumed.pop("gradient_step")) == int(state.gradient_step)
+  assert int(resumed.pop("window_k")) == int(state.window_k)
+  np.testing.assert_array_equal(resumed.pop("progress"), np.asarray(optax_accum.progress(state)))
+  assert ref.max_abs_diff(params, saved_params) > 0
+  chex.assert_trees_all_equal(resumed, params, strict=True)
+
+
 def _env_importing_this_checkout() -> dict:
   """The environment for a worker process that imports the `optax_accum` under test (this
   checkout's, as the tests do), not whichever copy is installed."""
