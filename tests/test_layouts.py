@@ -369,13 +369,15 @@ def _cell(mode, layout, front, opt):
 
 def _cells():
   """Every cell. The fast suite runs one optimizer per (mode, layout, front end), rotating so
-  that each optimizer meets every mode, layout and front end there; the rest are marked slow."""
+  that each optimizer meets every mode, layout and front end there; the rest are marked slow, and
+  `matrix` (the minimum-versions run leaves them out: the fast cells cover every mode, layout,
+  front end and optimizer there)."""
   cells = []
   for m, mode in enumerate(MODES):
     for lay, layout in enumerate(LAYOUTS):
       for f, front in enumerate(FRONTS):
         for o, opt in enumerate(INNERS):
-          marks = () if o == (m + lay + f) % len(INNERS) else (pytest.mark.slow,)
+          marks = () if o == (m + lay + f) % len(INNERS) else (pytest.mark.slow, pytest.mark.matrix)
           name = f"{mode}-{layout}-{front}-{opt}"
           cells.append(pytest.param(mode, layout, front, opt, marks=marks, id=name))
   return cells
