@@ -34,16 +34,7 @@ def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
   assert int(saved_state.mini_step) == worker.SAVE_AT % worker.K
   assert float(np.abs(saved_state.acc_grads["w0"]).max()) > 0  # the open window's sums
 
-  out = tmp_path / "resumed.npz"
-  proc = subprocess.run(
-    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out)],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=_env_importing_this_checkout(),
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  resumed = dict(np.load(out))
+  resumed = _resume_in_fresh_process(tmp_path)
 
   # The fresh process saw the window exactly as it was left.
   assert int(resumed.pop("restored_mini_step")) == worker.SAVE_AT % worker.K
@@ -64,16 +55,7 @@ def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_iss
   assert int(saved_state.gradient_step) >= 2  # after updates whose gains entered τ
   assert float(optax_accum.progress(saved_state)) > int(saved_state.gradient_step)  # some r > 1
 
-  out = tmp_path / "resumed.npz"
-  proc = subprocess.run(
-    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out), "gain"],
-    capture_output=True,
-    text=True,
-    timeout=300,
-    env=_env_importing_this_checkout(),
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  resumed = dict(np.load(out))
+  resumed = _resume_in_fresh_process(tmp_path, "gain")
   assert int(resumed.pop("restored_mini_step")) == int(saved_state.mini_step)
   np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.acc_grads["w0"])
 
@@ -83,6 +65,20 @@ def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_iss
   np.testing.assert_array_equal(resumed.pop("progress"), np.asarray(optax_accum.progress(state)))
   assert ref.max_abs_diff(params, saved_params) > 0
   chex.assert_trees_all_equal(resumed, params, strict=True)
+
+
+def _resume_in_fresh_process(tmp_path, *variant: str) -> dict:
+  """Runs the worker's `resume` on ``tmp_path / "ckpt"`` in a new process; what it wrote."""
+  out = tmp_path / "resumed.npz"
+  proc = subprocess.run(
+    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out), *variant],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=_env_importing_this_checkout(),
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return dict(np.load(out))
 
 
 def _env_importing_this_checkout() -> dict:
