@@ -26,6 +26,7 @@ multi-host worker imports this module before `jax.distributed` starts).
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -367,3 +368,33 @@ def train_data_parallel(
   for batch in batches:
     params, state = dp.step(params, state, shard(batch, mesh, P(axis)))
   return params, state
+
+
+def replica_groups(rest: str) -> list[frozenset]:
+  """The replica groups of one collective in a compiled program's text (the rest of its HLO
+  line): the explicit spelling, the iota spelling and the mesh-of-named-axes spelling."""
+  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
+  if m:
+    return [frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+  m = re.search(
+    r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
+    rest,
+  )
+  if m:  # a mesh of named axes over an iota of device ids; the groups span the axes in {...}
+    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+    dims = [int(d) for d in m.group(2).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(3):
+      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+    ids = ids.reshape([int(n) for _, n in axes])
+    over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m.group(4)]
+    rest_axes = [i for i in range(len(axes)) if i not in over]
+    size = int(np.prod([ids.shape[i] for i in over]))
+    return [frozenset(g) for g in ids.transpose(rest_axes + over).reshape(-1, size).tolist()]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+  assert m, f"replica groups not understood: {rest[:200]}"
+  ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")])))
+  ids = ids.reshape([int(d) for d in m.group(3).split(",")])
+  if m.group(4):
+    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+  return [frozenset(g) for g in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]

@@ -381,20 +381,6 @@ def _tp_loss(params, batch, explicit=False):
   return jnp.sum(err * batch["mask"]) / jnp.sum(batch["mask"])
 
 
-def _replica_groups(rest: str) -> list[frozenset]:
-  """The replica groups of one collective (HLO's explicit and iota spellings)."""
-  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
-  if m:
-    return [frozenset(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-  assert m, f"replica groups not understood: {rest[:200]}"
-  ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")])))
-  ids = ids.reshape([int(d) for d in m.group(3).split(",")])
-  if m.group(4):
-    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-  return [frozenset(g) for g in ids.reshape(int(m.group(1)), int(m.group(2))).tolist()]
-
-
 def _all_reduces_by_axis(text: str, mesh) -> dict[tuple[str, str], int]:
   """{(mesh axis, "loop" | "step"): gradient-sized all-reduces} of a program on a 2-D mesh."""
   comps, entry = computations(text)
@@ -410,7 +396,7 @@ def _all_reduces_by_axis(text: str, mesh) -> dict[tuple[str, str], int]:
   for name in reachable(comps, [entry]):
     for i in comps[name]:
       if i.op in ("all-reduce", "all-reduce-start") and re.search(r"\[\d", i.shape):
-        axis = axes[frozenset(_replica_groups(i.rest))]
+        axis = axes[frozenset(ref.replica_groups(i.rest))]
         key = (axis, "loop" if name in loops else "step")
         out[key] = out.get(key, 0) + 1
   return out

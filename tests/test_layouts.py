@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import re
 
+import _reference as ref
 import chex
 import jax
 import jax.numpy as jnp
@@ -169,34 +170,6 @@ def _large_batch(opt):
 # Reading the compiled programs: gradient-sized all-reduces over the data axis.
 
 
-def _groups(rest: str) -> list[list[int]]:
-  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
-  if m:
-    return [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
-  m = re.search(
-    r"replica_groups=mesh\[([^\]]*)\], device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\) \{([^}]*)\}",
-    rest,
-  )
-  if m:  # a mesh of named axes over an iota of device ids; the groups span the axes in {...}
-    axes = re.findall(r"'([^']+)'=(\d+)", m.group(1))
-    dims = [int(d) for d in m.group(2).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(3):
-      ids = ids.transpose([int(d) for d in m.group(3).split(",")])
-    ids = ids.reshape([int(n) for _, n in axes])
-    over = [i for i, (a, _) in enumerate(axes) if f"'{a}'" in m.group(4)]
-    rest_axes = [i for i in range(len(axes)) if i not in over]
-    size = int(np.prod([ids.shape[i] for i in over]))
-    return ids.transpose(rest_axes + over).reshape(-1, size).tolist()
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-  assert m, f"replica groups not understood: {rest[:200]}"
-  ids = np.arange(int(np.prod([int(d) for d in m.group(3).split(",")])))
-  ids = ids.reshape([int(d) for d in m.group(3).split(",")])
-  if m.group(4):
-    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-  return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
-
-
 def _data_reductions(text: str, mesh) -> dict[str, int]:
   """{"all": n, "loop": n}: array-shaped all-reduces whose groups span the data axis (devices
   that differ in their data coordinate), in the whole program and inside while bodies. Scalar
@@ -213,7 +186,7 @@ def _data_reductions(text: str, mesh) -> dict[str, int]:
     for i in comps[name]:
       if i.op not in ("all-reduce", "all-reduce-start") or not re.search(r"\[\d", i.shape):
         continue
-      if any(len({coord[d] for d in g}) > 1 for g in _groups(i.rest)):
+      if any(len({coord[d] for d in g}) > 1 for g in ref.replica_groups(i.rest)):
         out["all"] += 1
         out["loop"] += name in loops
   return out
