@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
-from jax import lax
 
 from optax_accum import _checks, _collectives, _core, _find, _gain, _noise
 from optax_accum._typing import AxisName, DType, Reduction
@@ -410,17 +409,9 @@ def add_noise(
   if not cfg.noise:
     return None
   ns = _with_partials(state.noise, cfg.axis.this_device(_noise.partials(state.noise)))
-  pieces = 1 if _reduced(cfg, grads) else _axis_size(cfg)
+  pieces = 1 if _reduced(cfg, grads) else cfg.axis.size()
   w = _noise.piece_weight(weight, pieces)
   return _noise.add(ns, grads, w, jnp.logical_not(dropped), restart=state.mini_step == 0, sq=sq)
-
-
-def _axis_size(cfg: Config) -> Any:
-  """The number of devices along the axis (the Python int 1 without one)."""
-  size = 1
-  for a in cfg.axis.axes:
-    size = size * lax.axis_size(a)
-  return size
 
 
 def _reduced(cfg: Config, grads: Any) -> bool:
@@ -600,7 +591,7 @@ def _global(cfg: Config, window: Window, like: Any) -> Window:
   scalars = (window.total, _noise_partials(window.noise))
   sums, (total, partials) = cfg.axis.reduce_window(window.sums, scalars, like, cfg.normalisation)
   if partials and _reduced(cfg, like):  # n copies of the same micro-batches: count them once
-    partials = _noise.once(partials, _axis_size(cfg))
+    partials = _noise.once(partials, cfg.axis.size())
   return window._replace(sums=sums, total=total, noise=_with_partials(window.noise, partials))
 
 

@@ -294,6 +294,13 @@ class Axis(NamedTuple):
     """The mesh axis names, as a tuple."""
     return axis_names(self.name)
 
+  def size(self) -> int:
+    """The number of devices along the axis (inside the map that binds it)."""
+    size = 1
+    for a in self.axes:
+      size *= lax.axis_size(a)
+    return size
+
   def unbound(self) -> bool:
     """Whether no enclosing map binds the axis (under plain jit, a front end binds it)."""
     return not is_bound(self.name)
@@ -341,9 +348,7 @@ class Axis(NamedTuple):
     """
     sums, total = self.reduce((sums, total))
     if reduction == "sum" and tracks_variance(self.name):
-      size = 1
-      for a in axis_names(self.name):
-        size *= lax.axis_size(a)
+      size = self.size()
 
       def undo(s, x):
         if is_varying(x, self.name):
@@ -427,6 +432,9 @@ class NoAxis(NamedTuple):
 
   def check_uniform(self, x: Any, name: str, caller: str) -> None:
     del x, name, caller
+
+  def size(self) -> int:
+    return 1
 
 
 NO_AXIS = NoAxis()

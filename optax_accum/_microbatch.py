@@ -802,7 +802,7 @@ def _add_noise(opts: _Options, plan: _outputs.Plan, noise, leaves: list, w, drop
   if not plan.noise:
     return noise
   grads = [leaves[n] for n in plan.noise]
-  pieces = 1 if _noise_reduced(opts, plan) else _axis_size(opts.axis)
+  pieces = 1 if _noise_reduced(opts, plan) else opts.axis.collectives.size()
   sq = _noise.sq_norm(grads, _over_shards(opts))
   return _noise.add(noise, grads, _noise.piece_weight(w, pieces), ~dropped, sq=sq)
 
@@ -812,14 +812,6 @@ def _over_shards(opts: _Options) -> Any:
   gradient's (`_collectives.Axis.sum_over_shards`); None without a bound axis."""
   collectives = opts.axis.collectives
   return None if collectives.name is None else collectives.sum_over_shards
-
-
-def _axis_size(axis: _gspmd.Axis) -> Any:
-  """The number of devices along a bound axis (the Python int 1 otherwise)."""
-  size = 1
-  for a in axis.names if axis.bound else ():
-    size = size * lax.axis_size(a)
-  return size
 
 
 def _noise_reduced(opts: _Options, plan: _outputs.Plan) -> bool:
@@ -892,7 +884,7 @@ def _finish(opts: _Options, plan: _outputs.Plan, carry: _Carry) -> Any:
   )
   means, local, total, invalid, skipped, partials = reduced
   if plan.noise and _noise_reduced(opts, plan):  # n copies of the same gradients: once
-    partials = _noise.once(partials, _axis_size(opts.axis))
+    partials = _noise.once(partials, opts.axis.collectives.size())
   local = iter(local)
   sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
   # NaN, never a finite wrong number: for invalid weights, and for a step whose micro-batches
