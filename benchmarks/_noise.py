@@ -30,18 +30,19 @@ from optax_accum import _accumulate
 
 PATHS = ("accumulate (protocol)", "TrainStep")
 WITH = " + noise_scale"
-BEFORE = " + noise_scale (separate finite check)"
+BEFORE = " + noise_scale (before issue 22)"
 
 
 @contextlib.contextmanager
 def _separate_finite_check():
-  """Traces with the earlier spelling: the finite check a pass of its own beside ``Σ|g|²``."""
-  old = _accumulate.SQ_NORM_IS_FINITE_CHECK
-  _accumulate.SQ_NORM_IS_FINITE_CHECK = False
+  """Traces with the spelling before issue 22: the finite check a pass of its own beside
+  ``Σ|g|²``, and the window's ``|Σ wᵢgᵢ|²`` read inside the conditional that closes it."""
+  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_BEFORE_COND
+  _accumulate.SQ_NORM_IS_FINITE_CHECK = _accumulate.SUMS_SQ_BEFORE_COND = False
   try:
     yield
   finally:
-    _accumulate.SQ_NORM_IS_FINITE_CHECK = old
+    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_BEFORE_COND = old
 
 
 def _traced_before(tx: optax.GradientTransformationExtraArgs) -> Any:
@@ -68,7 +69,7 @@ def _fused_before(name, model, params, k, micro) -> X.Contender:
 
 def make_pairs(model, params, k: int, micro: list) -> dict[str, tuple[X.Contender, ...]]:
   """{path: (without, with, before)} contenders, identical but for ``noise_scale=True`` and,
-  for `before`, the finite check as its own pass (the spelling before issue 22)."""
+  for `before`, the spelling before issue 22 (`_separate_finite_check`)."""
   adam = optax.adam(X.LR)
 
   def protocol(name, **kw):

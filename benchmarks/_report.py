@@ -410,9 +410,11 @@ def _noise(res: dict[str, Any]) -> list[str]:
     "without. Each pair was checked to hold the same parameters after the timed steps "
     "(*params: max abs Δ*), and the statistics to have measured a window (*B_simple*: the "
     "smoothed estimate at the end, in micro-batches; synthetic data, shown only as a sign of "
-    "life). *before / without*: the same with the finite check as a pass of its own beside "
-    "the squared norm (the spelling before issue 22, which made Σ|g|² the finite check), "
-    "timed in the same rounds. "
+    "life). *before / without*: the spelling before issue 22, timed in the same rounds: the "
+    "finite check a pass of its own beside the squared norm (issue 22 made Σ|g|² the finite "
+    "check) and, on the protocol path, the window's |Σ wᵢgᵢ|² read inside the conditional "
+    "that closes it (which made XLA copy weight matrices on every accumulating micro-step; "
+    "it is now read before). "
     "k = 1 is left out: a window of one micro-batch measures nothing.",
     "",
     _table(

@@ -10,6 +10,8 @@ import json
 import pathlib
 import sys
 
+from jupyter_client.connect import ConnectionFileMixin
+
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # document the source tree this conf.py belongs to
@@ -54,6 +56,11 @@ myst_substitutions["lm_command"] = f"`{LM_RUN['command']}`"
 # cell fails the build. The notebook copied from notebooks/ is rendered with its committed
 # outputs (tests/test_notebooks.py executes it).
 nb_execution_mode = "force"
+# The kernels that run them talk to the build over local IPC sockets (in Jupyter's runtime
+# directory), not TCP: nothing here needs a network port, and ipykernel ≥ 7 warns at every
+# kernel start that TCP is unencrypted. No option of myst-nb reaches the kernel manager, so
+# this sets the default of jupyter_client's `transport` trait ("tcp") for this build.
+ConnectionFileMixin.transport.default_value = "ipc"
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 120

@@ -6,11 +6,12 @@ from optax_accum._clipping import ClippedGrad, ClipStats, clipped_grad, clipped_
 from optax_accum._data_parallel import data_parallel
 from optax_accum._gain import GainState, progress, scale_by_gain
 from optax_accum._hlo import count_collectives
-from optax_accum._microbatch import MicrobatchInfo, microbatch
+from optax_accum._microbatch import microbatch
 from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
 from optax_accum._plan import MicrobatchPlan, plan_microbatches
 from optax_accum._poisson import PoissonBatch, PoissonSampler
 from optax_accum._privacy import DPNoiseState, dp_noise, dp_updates
+from optax_accum._scan import MicrobatchInfo
 from optax_accum._sharding import state_partition_specs
 from optax_accum._train_step import TrainStep
 

@@ -332,6 +332,9 @@ def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
 # what the statistics cost (`benchmarks/_noise.py`) turns this off while it traces a "before"
 # contender, the earlier spelling (a separate finite check), to time both in one run.
 SQ_NORM_IS_FINITE_CHECK = True
+# ... and, with emission decided on the device, ``|Σ wᵢgᵢ|²`` is read before the conditional
+# that closes the window (`emit_dynamic`); the "before" contender reads it inside.
+SUMS_SQ_BEFORE_COND = True
 
 
 def sq_norm(cfg: Config, grads: Any) -> jax.Array | None:
@@ -417,10 +420,8 @@ def add_noise(
 def _reduced(cfg: Config, grads: Any) -> bool:
   """Gradients that autodiff already all-reduced over the axis (the same on every device:
   `_collectives.ALREADY_REDUCED`)."""
-  if not cfg.axis.stacks or not _collectives.tracks_variance(cfg.axis.name):
-    return False
   leaves = [x for x in jax.tree.leaves(grads) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
-  return bool(leaves) and not all(_collectives.is_varying(x, cfg.axis.name) for x in leaves)
+  return cfg.axis.stacks and _collectives.already_reduced(leaves, cfg.axis.name)
 
 
 def update_types(
@@ -455,6 +456,9 @@ class Window(NamedTuple):
   params: Any
   extra_args: dict
   noise: Any = None  # this device's noise statistics (`add_noise`), or None
+  # ``Σ|sums|²`` when read before the conditional that closes the window (`emit_dynamic`), or
+  # None: read where the window closes.
+  sums_sq: Any = None
 
 
 class Closed(NamedTuple):
@@ -520,8 +524,8 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   """The window's noise statistics closed (`window` holds the global sums, total and
   partials), then the inner update on the window's mean, finished (see `Finish`); a
   `scale_by_gain` inside reads the closed statistics."""
-  sums, total, inner_state, params, extra, noise = window
-  noise = _close_noise(noise, sums, total, _over_shards(cfg))
+  sums, total, inner_state, params, extra, noise, sums_sq = window
+  noise = _close_noise(noise, sums, total, _over_shards(cfg), sums_sq)
   extra = _with_figures(extra, inner_state, _figures(noise))
   g = _core.normalise(sums, total, like, cfg.normalisation)
   updates, new_inner = cfg.inner.update(g, inner_state, params, **extra)
@@ -548,13 +552,17 @@ def _with_figures(extra: dict, inner_state: Any, figures: Any) -> dict:
   return {**extra, _gain.WINDOW_ARG: figures}
 
 
-def _close_noise(noise: Any, sums: Any, total: jax.Array, over_shards: Any = None) -> Any:
+def _close_noise(
+  noise: Any, sums: Any, total: jax.Array, over_shards: Any = None, sums_sq: Any = None
+) -> Any:
   """The window's estimates into the noise EMAs: ``|ḡ|²`` of the mean ``Σ wᵢgᵢ / W`` from the
-  sums (one more read of them, on the emitting step only)."""
+  sums (one more read of them, on the emitting step only, unless `sums_sq` has it)."""
   if noise is None:
     return None
   inv = 1 / jnp.where(total > 0, total, jnp.ones_like(total))
-  mean_sq = _noise.sq_norm(sums, over_shards) * jnp.square(inv)
+  if sums_sq is None:
+    sums_sq = _noise.sq_norm(sums, over_shards)
+  mean_sq = sums_sq * jnp.square(inv)
   return _noise.close(noise, mean_sq, *_noise.partials(noise))
 
 
@@ -625,6 +633,13 @@ def emit_dynamic(
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
+  if window.noise is not None and applies is not True and SUMS_SQ_BEFORE_COND:
+    # ``|Σ wᵢgᵢ|²`` read here, on every micro-step, not in the branch that closes the window:
+    # a read of the sums inside it (or in a conditional of its own) keeps XLA from updating
+    # them in place, and the branch that keeps the window open then copies three of
+    # 784-2048³-10's weight matrices on every accumulating micro-step (1.13-1.18x against
+    # noise_scale=False, `benchmarks/_noise.py`); one reduction here costs less.
+    window = window._replace(sums_sq=_noise.sq_norm(window.sums))
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
     return Closed(*apply(window), jnp.asarray(True))

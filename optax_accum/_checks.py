@@ -11,7 +11,11 @@ that arrive with each call are checked where they can be:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -107,6 +111,8 @@ def weight(value: Any, caller: str, name: str = "weight") -> jax.Array | None:
   """
   if value is None:
     return None
+  if isinstance(value, (str, bytes)):  # jnp.asarray would first read a string as a dtype name
+    raise TypeError(f"{caller}: {name} must be a non-negative scalar, got {value!r}.")
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", RuntimeWarning)  # float32 overflow: reported below
@@ -155,3 +161,23 @@ def valid_weight(w: jax.Array) -> jax.Array:
   """
   w = jnp.asarray(w).astype(WEIGHT_DTYPE)
   return (w >= 0) & jnp.isfinite(w)
+
+
+def wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+  """`functools.wraps` without ``__wrapped__``: the wrapper keeps `fun`'s name, docstring and
+  signature (``__signature__``), but not a reference Equinox follows.
+
+  `eqx.filter_jit` (any Equinox module field) warns about a plain function whose
+  ``__wrapped__`` chain holds array-like leaves, taking it for a JAX transform that hides
+  parameters; ``eqx.filter_value_and_grad(loss, has_aux=True)`` holds ``True``. The wrappers
+  of `microbatch` and `data_parallel` hide nothing: they hold `fun` and call it.
+  """
+
+  def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    functools.update_wrapper(wrapper, fun)
+    del wrapper.__wrapped__
+    with contextlib.suppress(TypeError, ValueError):  # no signature to read (some builtins)
+      wrapper.__signature__ = inspect.signature(fun)  # type: ignore[attr-defined]
+    return wrapper
+
+  return decorate

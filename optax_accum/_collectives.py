@@ -105,6 +105,19 @@ def is_varying(x: Any, axis_name: AxisName) -> bool:
   return all(a in vma(x) for a in axis_names(axis_name))
 
 
+def already_reduced(leaves: list[Any], axis_name: AxisName) -> bool:
+  """Whether autodiff already reduced these values over the bound `axis_name`: the map tracks
+  device variance and one of them carries no varying axis of it (it is the same on every
+  device: `ALREADY_REDUCED`). False without variance tracking, where nothing can tell. The one
+  test for `accumulate`'s and `microbatch`'s noise statistics and for `microbatch`'s "sum"
+  outputs, which must then count such values once, not once per device."""
+  return (
+    bool(leaves)
+    and tracks_variance(axis_name)
+    and not all(is_varying(x, axis_name) for x in leaves)
+  )
+
+
 def _pcast(x: Any, axes: frozenset | tuple) -> Any:
   missing = tuple(sorted(a for a in axes if a not in vma(x)))
   return lax.pcast(x, missing, to="varying") if missing else x

@@ -45,7 +45,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _batch, _collectives
+from optax_accum import _batch, _checks, _collectives
 from optax_accum._typing import ArgNums, AxisName
 
 Sync = Literal["update", "microbatch"]
@@ -441,7 +441,7 @@ def bind(
   check_axis_name(axis_name, caller)
   hook = state_specs or no_state
 
-  @functools.wraps(fun)
+  @_checks.wraps(fun)
   def wrapped(*args, **kwargs):
     axis = _resolve_for(axis_name, opts.mesh, opts.sync, caller)
     if axis.mode == "mapped":

@@ -7,6 +7,8 @@ state arguments against ``k`` sequential small steps.
 
 from __future__ import annotations
 
+import inspect
+
 import chex
 import equinox as eqx
 import jax
@@ -122,6 +124,9 @@ def _norm_loss(model, state, x, y):
   return jnp.mean((out[:, :2] - y) ** 2), state
 
 
+# "error": `eqx.filter_jit` of a wrapper whose `__wrapped__` holds `filter_value_and_grad`'s
+# `has_aux=True` warned that it might hide parameters (the wrappers no longer keep one).
+@pytest.mark.filterwarnings("error")
 def test_equinox_state_threads_through_microbatch_state_arguments():
   model, state = eqx.nn.make_with_state(_Norm)(jax.random.key(0))
   x, y = _data(16)
@@ -144,3 +149,21 @@ def test_equinox_state_threads_through_microbatch_state_arguments():
   assert not np.allclose(  # the running statistics did move
     jax.tree.leaves(_arrays(new_state))[0], jax.tree.leaves(_arrays(state))[0]
   )
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda f: optax_accum.microbatch(f, K, batch_argnums=(1, 2)),
+    lambda f: optax_accum.data_parallel(f, axis_name="data", batch_argnums=(1, 2)),
+  ],
+  ids=["microbatch", "data_parallel"],
+)
+def test_wrappers_keep_name_and_signature_but_no_wrapped_reference(wrap):
+  # Equinox follows `__wrapped__` and warns when the chain holds array-like leaves (the
+  # `has_aux=True` of `filter_value_and_grad`), as if the wrapper hid parameters.
+  vg = eqx.filter_value_and_grad(_loss)
+  f = wrap(vg)
+  assert not hasattr(f, "__wrapped__")
+  assert inspect.signature(f) == inspect.signature(vg)
+  assert f.__doc__ == vg.__doc__
