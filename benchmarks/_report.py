@@ -205,9 +205,9 @@ def _distributed_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
   return out
 
 
-# What `noise_scale=True` may cost: time per micro-step on an MLP (the transformer's ratio is
-# shown, not held to it), optimizer-state bytes (a few float32 scalars).
-NOISE_TIME = 1.03
+# What `noise_scale=True` may cost: time per micro-step on the memory-bound MLPs and on the
+# transformer (issue 22's targets), optimizer-state bytes (a few float32 scalars).
+NOISE_TIME = {"mlp": 1.05, "transformer": 1.03}
 NOISE_STATE = 256
 
 
@@ -216,7 +216,8 @@ def _noise_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   if not rows:
     return []
   out = []
-  for model in dict.fromkeys(r["model"] for r in rows if r["model"].startswith("mlp")):
+  for model in dict.fromkeys(r["model"] for r in rows):
+    target = NOISE_TIME["mlp" if model.startswith("mlp") else "transformer"]
     for path in dict.fromkeys(r["path"] for r in rows):
       rs = [r for r in rows if r["model"] == model and r["path"] == path]
       worst = max(rs, key=lambda r: r["ratio"])
@@ -224,9 +225,9 @@ def _noise_targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
           "figure": f"noise scale ({model}): time per micro-step, {path}, noise_scale=True / "
           "without",
-          "target": f"≤ {NOISE_TIME:.2f}",
+          "target": f"≤ {target:.2f}",
           "measured": f"{worst['ratio']:.3f} (worst: k={worst['k']})",
-          "ok": all(r["ratio"] <= NOISE_TIME for r in rs),
+          "ok": all(r["ratio"] <= target for r in rs),
         }
       )
   worst = max(rows, key=lambda r: r["temp_diff"] / r["param_bytes"])

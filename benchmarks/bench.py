@@ -342,6 +342,8 @@ def main(argv=None):
 
   t0 = time.perf_counter()
   res: dict = {"meta": run_meta(backend, device_kind, scale, cfg)}
+  if set(only) != set(SECTIONS):  # the command that reproduces this run
+    res["meta"]["command"] += f" --only {','.join(only)}"
   run_cross_models(only, cfg, models, res, bar)
   if "within" in only:
     model = _models.mlp(tuple(cfg["within_mlp"]), name="activation-heavy mlp")

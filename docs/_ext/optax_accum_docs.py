@@ -210,6 +210,12 @@ def copy_outside_sources(app: Sphinx, config: Any) -> None:
   for result in sorted((ROOT / "benchmarks" / "results").glob("*/*")):
     if result.suffix in (".md", ".png") and result.parent.name != "tmp":
       wanted[GENERATED / "benchmarks" / result.parent.name / result.name] = result
+  # A section run on its own (`bench.py --only noise --out benchmarks/results/cpu/noise`): its
+  # page is `<backend>/<section>.md`.
+  for result in sorted((ROOT / "benchmarks" / "results").glob("*/*/results.md")):
+    wanted[GENERATED / "benchmarks" / result.parent.parent.name / f"{result.parent.name}.md"] = (
+      result
+    )
   for dst, src in wanted.items():
     _copy_if_changed(src, dst)
   if GENERATED.exists():  # drop copies whose original is gone
