@@ -6,11 +6,15 @@ Build (warnings are errors, code cells executed): ``.ci/docs``, or
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import pathlib
+import shutil
 import sys
+import tempfile
 
-from jupyter_client.connect import ConnectionFileMixin
+from jupyter_client.manager import AsyncKernelManager, KernelManager
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
@@ -56,11 +60,18 @@ myst_substitutions["lm_command"] = f"`{LM_RUN['command']}`"
 # cell fails the build. The notebook copied from notebooks/ is rendered with its committed
 # outputs (tests/test_notebooks.py executes it).
 nb_execution_mode = "force"
-# The kernels that run them talk to the build over local IPC sockets (in Jupyter's runtime
-# directory), not TCP: nothing here needs a network port, and ipykernel ≥ 7 warns at every
-# kernel start that TCP is unencrypted. No option of myst-nb reaches the kernel manager, so
-# this sets the default of jupyter_client's `transport` trait ("tcp") for this build.
-ConnectionFileMixin.transport.default_value = "ipc"
+# The kernels that run them talk to the build over IPC sockets in a private temporary
+# directory, not TCP: nothing here needs a network port, and ipykernel ≥ 7 warns at every
+# kernel start that TCP is unencrypted. myst-nb has no option that reaches the kernel manager,
+# so this sets jupyter_client's defaults for this build: the transport, and an absolute socket
+# path (its default, a relative "kernel-ipc", would resolve against two working directories:
+# the build's and the page's, where the kernel runs).
+_IPC_DIR = tempfile.mkdtemp(prefix="optax_accum_docs_kernels_")
+atexit.register(shutil.rmtree, _IPC_DIR, ignore_errors=True)
+for _manager in (KernelManager, AsyncKernelManager):
+  _manager.transport.default_value = "ipc"
+  _manager._ip_default = lambda self: os.path.join(_IPC_DIR, f"kernel-{id(self)}")
+del _manager
 nb_execution_raise_on_error = True
 nb_execution_show_tb = True
 nb_execution_timeout = 120

@@ -213,9 +213,9 @@ def copy_outside_sources(app: Sphinx, config: Any) -> None:
   # A section run on its own (`bench.py --only noise --out benchmarks/results/cpu/noise`): its
   # page is `<backend>/<section>.md`.
   for result in sorted((ROOT / "benchmarks" / "results").glob("*/*/results.md")):
-    wanted[GENERATED / "benchmarks" / result.parent.parent.name / f"{result.parent.name}.md"] = (
-      result
-    )
+    backend, section = result.parent.parent.name, result.parent.name
+    if backend != "tmp":
+      wanted[GENERATED / "benchmarks" / backend / f"{section}.md"] = result
   for dst, src in wanted.items():
     _copy_if_changed(src, dst)
   if GENERATED.exists():  # drop copies whose original is gone
