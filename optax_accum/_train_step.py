@@ -207,18 +207,18 @@ class TrainStep:
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
+    """The two programs, by `emit`: the accumulating one (False) and, with every_k = 1, the
+    one that adds and closes each window (True); else True is the closing program, which the
+    emitting micro-step runs after the accumulating one (`_close`)."""
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
     self._compiled = {}
-    return {
-      emit: jax.jit(
-        self._step,
-        static_argnames="emit",
-        donate_argnums=self._donate_argnums,
-        keep_unused=True,
-        **kw,
-      )
-      for emit in (False, True)
-    }
+    step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
+    programs = {emit: step(functools.partial(self._step, emit=emit)) for emit in (False, True)}
+    if not self._cfg.unaccumulated:
+      kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
+      donate = (0, 1) if 0 in self._donate_argnums else ()
+      programs[True] = jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw)
+    return programs
 
   def _binds_here(self) -> bool:
     """With `axis_name` under plain jit: the programs bind the axis themselves."""
@@ -336,6 +336,25 @@ class TrainStep:
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return (params if emit else hidden), state, grad_buffer, value
 
+  def _close(self, params: Any, state: Any) -> tuple[Any, Any]:
+    """The closing program: the window the accumulating program has just added the last
+    micro-batch to, closed from the state (`_accumulate.close_from_state`: the one all-reduce
+    with `axis_name`, the inner update, the application). No batch and no gradient: the
+    emitting micro-step compiles the backward pass once, in the accumulating program."""
+    if not self._cfg.axis.unbound():
+      return self._close_window(params, state)
+    # Data parallel under plain jit: bound like `_step` (the state per device), no batch.
+    return self._bind(self._close_window, batch_argnums=())(params, state)
+
+  def _close_window(self, params: Any, state: Any) -> tuple[Any, Any]:
+    hidden = params
+    params = _batch.none_for_static(hidden)
+    # The gradients' types, for `close_window`'s dtypes and device variance: `jax.grad` gives
+    # each gradient its parameter's dtype, and per-device gradients vary over the axis.
+    like = self._cfg.axis.to_varying(_accumulate._gradient_like(params))
+    new_params, state = _accumulate.close_from_state(self._cfg, state, params, like)
+    return _batch.restore_static(new_params, hidden), state
+
   def _grads_of(self, params: Any, args: tuple) -> Any:
     """The gradients as `_micro_step` takes them (arrays only; lookahead's fast weights')."""
     grads = self._grad(params, *args)[1]
@@ -408,28 +427,39 @@ class TrainStep:
     return self.every_k
 
   def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
-    """Runs one of the two programs: compiled together on the first call with these argument
-    types (`compile`), or, for inputs unlike those they were compiled for, through `jax.jit`."""
+    """Runs the accumulating program, and on an emitting micro-step the closing one after it
+    (with every_k = 1 the one program that adds and closes): compiled together on the first
+    call with these argument types (`compile`), or, for inputs unlike those they were
+    compiled for, through `jax.jit`."""
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
+    fused = emit and self._cfg.unaccumulated
+    params, state, grad_buffer, value = self._run(
+      key, fused, params, state, grad_buffer, args, weight
+    )
+    if emit and not fused:
+      params, state = self._run(key, True, params, state)
+    return params, state, grad_buffer, value
+
+  def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
+    """One program (`_jit`'s key), compiled for `key`, else through `jax.jit`."""
     compiled = self._compiled[key]
     if compiled is not None:
       try:
-        return compiled[emit](params, state, grad_buffer, args, weight)
+        return compiled[program](*operands)
       except (TypeError, ValueError):
         # The compiled programs check their inputs before running (nothing donated yet): other
         # parameter or state types, or placements. `jax.jit` handles them from now on.
         self._compiled[key] = None
-    return self._programs[emit](params, state, grad_buffer, args, weight, emit=emit)
+    return self._programs[program](*operands)
 
   def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
     """Both programs for these arguments: traced one after the other, compiled concurrently
     (XLA compiles without holding Python's lock), so the pair costs about the time of the
     larger one instead of the sum of two."""
     emits = (True,) if self._cfg.unaccumulated else (False, True)
-    lowered = {e: self._programs[e].lower(params, state, grad_buffer, args, weight, emit=e)
-               for e in emits}  # fmt: skip
+    lowered = {e: self._lower(e, params, state, grad_buffer, args, weight) for e in emits}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
@@ -467,10 +497,18 @@ class TrainStep:
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
-    """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
+    """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory):
+    ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
+    ``(params, state)`` only: the emitting step runs the accumulating program, then this one
+    (with every_k = 1, the one program that adds and closes each window)."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = jax.eval_shape(self._grads_of, params, args)
-    return self._programs[emit].lower(params, state, grad_buffer, args, weight, emit=emit)
+    return self._lower(emit, params, state, grad_buffer, args, weight)
+
+  def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
+    if emit and not self._cfg.unaccumulated:
+      return self._programs[True].lower(params, state)  # the closing program
+    return self._programs[emit].lower(params, state, grad_buffer, args, weight)
