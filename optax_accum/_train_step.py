@@ -8,7 +8,12 @@ application real memory passes and on GPU makes the host wait for the predicate
 * the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces); the
   parameters and the inner state pass through donated, i.e. untouched in place, and no update
   is computed at all;
-* the emitting program: ``grad → add → close_window(finish = apply the updates) → advance``;
+* the closing program, on ``(params, state)`` only: ``close_window(finish = apply the
+  updates) → advance`` from the state's accumulator (`_accumulate.close_from_state`). The
+  emitting micro-step runs the accumulating program, then this one: the backward pass is
+  compiled once (two programs compile in about the time of the protocol path's one), for one
+  more dispatch per window. With every_k = 1 (no accumulator) one program does
+  ``grad → add → close_window → advance``;
 
 and keeps the window position on the host, so dispatch never waits for the device.
 """
@@ -37,7 +42,7 @@ _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or retu
 INSIDE_JIT = (
   "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
   "...). TrainStep is a host-side driver: it keeps the window position on the host and "
-  "dispatches one of its two programs, which it compiles itself. Call it outside any "
+  "dispatches its two programs, which it compiles itself. Call it outside any "
   "transformation, from your Python training loop:\n\n"
   "    for batch in batches:\n"
   "        params, state, loss = step(params, state, batch)\n\n"
@@ -72,8 +77,11 @@ def _in_trainstep_words(error: Exception) -> Exception:
 class TrainStep:
   """A jitted micro-step ``grad → accumulate → (every k-th call) update → apply``.
 
-  Each call takes one micro-batch. The window position lives on the host, so the right one of
-  two compiled programs runs without a device conditional and without a host sync.
+  Each call takes one micro-batch. The window position lives on the host, so the right
+  compiled programs run without a device conditional and without a host sync: every call runs
+  the accumulating program (gradient → add), and a window's last call then runs the closing
+  program (inner update → apply, on the parameters and the state only), so the backward pass
+  is compiled once, at the price of one more dispatch per window (every_k=1: one program).
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -82,7 +90,7 @@ class TrainStep:
     every_k: the window length, a positive int (the host must know it), or a
       `FollowNoiseScale` policy: each window's length is then decided on the device when the
       window before it closes, from the noise statistics, and read back by the host once per
-      update (a scalar; that read waits for the emitting program).
+      update (a scalar; that read waits for the closing program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
 
       The parameters may hold non-array leaves (an Equinox module's activation functions and
@@ -111,7 +119,7 @@ class TrainStep:
     axis_name: the data-parallel mesh axis, under plain `jax.jit` with a mesh in effect
       (`jax.set_mesh`) or given as `mesh`: each device takes its share of every micro-batch
       (every array of `args` is split along axis 0), keeps its gradients local and adds them
-      to its own partial sums; the emitting program all-reduces the sums once per window.
+      to its own partial sums; the closing program all-reduces the sums once per window.
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
       (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
@@ -234,7 +242,7 @@ class TrainStep:
 
   def _pin(self, params: Any) -> None:
     """Pins the programs' output shardings to the parameters' own and the state's: the
-    emitting program updates replicated (gathered) parameters on every device, and FSDP
+    closing program updates replicated (gathered) parameters on every device, and FSDP
     parameters and their optimizer state must leave it sharded as they came in."""
     if self._pinned or not self._binds_here():
       return
@@ -418,7 +426,7 @@ class TrainStep:
 
   def _next_window_k(self, state: Any) -> int:
     """The length of the window that opens next: `every_k`, or under `FollowNoiseScale` the
-    one the emitting program decided from the noise statistics (read back: one device-to-host
+    one the closing program decided from the noise statistics (read back: one device-to-host
     read of a scalar per update, which waits for that program)."""
     if isinstance(self.every_k, _noise.FollowNoiseScale):
       # Clipped like the device clips it (`_accumulate.window_length`): a restored state's
