@@ -2,10 +2,12 @@
 
 For each cross-step model at one k, in rounds that rotate the contenders' order, each round on
 fresh objects (nothing cached): the protocol path's one program (``grad -> accumulate.update ->
-apply``, `jax.jit(...).lower(...).compile()`); `TrainStep`'s two programs lowered and compiled
-one after the other (how it compiled them before `TrainStep.compile`); and `TrainStep.compile`
-(both lowered, then compiled concurrently). Figures: the median seconds of each, and the
-median of per-round ratios to the protocol path (the target: `TrainStep` ≤ 1.2×).
+apply``, `jax.jit(...).lower(...).compile()`); `TrainStep`'s two programs, the accumulating one
+(``grad -> add``) and the closing one (``update -> apply`` on the parameters and the state, no
+gradient: the emitting micro-step runs it after the accumulating one), lowered and compiled one
+after the other; and `TrainStep.compile` (both lowered, then compiled concurrently). Figures:
+the median seconds of each, and the median of per-round ratios to the protocol path (the
+target: `TrainStep` ≤ 1.2×).
 """
 
 from __future__ import annotations

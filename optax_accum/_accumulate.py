@@ -677,6 +677,30 @@ def advance(
   )
 
 
+def close_from_state(
+  cfg: Config, state: AccumulateState, params: Any, like: Any
+) -> tuple[Any, AccumulateState]:
+  """`TrainStep`'s closing program: the open window closed from the state alone (its sums,
+  total weight, noise partials and inner state), after its last micro-batch was added by an
+  accumulating step (which counted it). Returns the new parameters (`APPLY`) and the state
+  `advance` makes for an emitting step, i.e. what one step that adds and closes returns.
+  `like` (the micro-batch gradients' types) is read only for dtypes and device variance.
+
+  The window's length: `advance`'s `window_length` reads the one the accumulating step
+  recorded (its mini_step is no longer 0), i.e. the length the window opened with.
+  """
+  axis = cfg.axis
+  noise = state.noise
+  if noise is not None:
+    noise = _with_partials(noise, axis.this_device(_noise.partials(noise)))
+  sums, total = axis.this_device(state.acc_grads), axis.this_device(state.acc_weight)
+  window = Window(sums, total, state.inner_state, params, {}, noise)
+  closed = close_window(cfg, like, APPLY, True, window)  # an accumulated window can be empty
+  new_params, sums = closed.out
+  dropped = jnp.asarray(False)  # the accumulating step counted this micro-batch
+  return new_params, advance(cfg, state, sums, total, dropped, closed, True)
+
+
 def _per_device_noise(axis: Any, noise: Any) -> Any:
   """The noise statistics as state: their window partials per device, like `acc_weight`."""
   return _with_partials(noise, axis.per_device(_noise_partials(noise)))

@@ -8,7 +8,12 @@ application real memory passes and on GPU makes the host wait for the predicate
 * the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces); the
   parameters and the inner state pass through donated, i.e. untouched in place, and no update
   is computed at all;
-* the emitting program: ``grad → add → close_window(finish = apply the updates) → advance``;
+* the closing program, on ``(params, state)`` only: ``close_window(finish = apply the
+  updates) → advance`` from the state's accumulator (`_accumulate.close_from_state`). The
+  emitting micro-step runs the accumulating program, then this one: the backward pass is
+  compiled once (two programs compile in about the time of the protocol path's one), for one
+  more dispatch per window. With every_k = 1 (no accumulator) one program does
+  ``grad → add → close_window → advance``;
 
 and keeps the window position on the host, so dispatch never waits for the device.
 """
@@ -37,7 +42,7 @@ _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or retu
 INSIDE_JIT = (
   "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
   "...). TrainStep is a host-side driver: it keeps the window position on the host and "
-  "dispatches one of its two programs, which it compiles itself. Call it outside any "
+  "dispatches its two programs, which it compiles itself. Call it outside any "
   "transformation, from your Python training loop:\n\n"
   "    for batch in batches:\n"
   "        params, state, loss = step(params, state, batch)\n\n"
@@ -72,8 +77,11 @@ def _in_trainstep_words(error: Exception) -> Exception:
 class TrainStep:
   """A jitted micro-step ``grad → accumulate → (every k-th call) update → apply``.
 
-  Each call takes one micro-batch. The window position lives on the host, so the right one of
-  two compiled programs runs without a device conditional and without a host sync.
+  Each call takes one micro-batch. The window position lives on the host, so the right
+  compiled programs run without a device conditional and without a host sync: every call runs
+  the accumulating program (gradient → add), and a window's last call then runs the closing
+  program (inner update → apply, on the parameters and the state only), so the backward pass
+  is compiled once, at the price of one more dispatch per window (every_k=1: one program).
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -82,7 +90,7 @@ class TrainStep:
     every_k: the window length, a positive int (the host must know it), or a
       `FollowNoiseScale` policy: each window's length is then decided on the device when the
       window before it closes, from the noise statistics, and read back by the host once per
-      update (a scalar; that read waits for the emitting program).
+      update (a scalar; that read waits for the closing program).
     has_aux: whether `loss_fn` returns ``(loss, aux)``.
 
       The parameters may hold non-array leaves (an Equinox module's activation functions and
@@ -111,7 +119,7 @@ class TrainStep:
     axis_name: the data-parallel mesh axis, under plain `jax.jit` with a mesh in effect
       (`jax.set_mesh`) or given as `mesh`: each device takes its share of every micro-batch
       (every array of `args` is split along axis 0), keeps its gradients local and adds them
-      to its own partial sums; the emitting program all-reduces the sums once per window.
+      to its own partial sums; the closing program all-reduces the sums once per window.
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
       (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
@@ -207,18 +215,18 @@ class TrainStep:
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
+    """The two programs, by `emit`: the accumulating one (False) and, with every_k = 1, the
+    one that adds and closes each window (True); else True is the closing program, which the
+    emitting micro-step runs after the accumulating one (`_close`)."""
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
     self._compiled = {}
-    return {
-      emit: jax.jit(
-        self._step,
-        static_argnames="emit",
-        donate_argnums=self._donate_argnums,
-        keep_unused=True,
-        **kw,
-      )
-      for emit in (False, True)
-    }
+    step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
+    programs = {emit: step(functools.partial(self._step, emit=emit)) for emit in (False, True)}
+    if not self._cfg.unaccumulated:
+      kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
+      donate = (0, 1) if 0 in self._donate_argnums else ()
+      programs[True] = jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw)
+    return programs
 
   def _binds_here(self) -> bool:
     """With `axis_name` under plain jit: the programs bind the axis themselves."""
@@ -234,7 +242,7 @@ class TrainStep:
 
   def _pin(self, params: Any) -> None:
     """Pins the programs' output shardings to the parameters' own and the state's: the
-    emitting program updates replicated (gathered) parameters on every device, and FSDP
+    closing program updates replicated (gathered) parameters on every device, and FSDP
     parameters and their optimizer state must leave it sharded as they came in."""
     if self._pinned or not self._binds_here():
       return
@@ -336,6 +344,25 @@ class TrainStep:
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return (params if emit else hidden), state, grad_buffer, value
 
+  def _close(self, params: Any, state: Any) -> tuple[Any, Any]:
+    """The closing program: the window the accumulating program has just added the last
+    micro-batch to, closed from the state (`_accumulate.close_from_state`: the one all-reduce
+    with `axis_name`, the inner update, the application). No batch and no gradient: the
+    emitting micro-step compiles the backward pass once, in the accumulating program."""
+    if not self._cfg.axis.unbound():
+      return self._close_window(params, state)
+    # Data parallel under plain jit: bound like `_step` (the state per device), no batch.
+    return self._bind(self._close_window, batch_argnums=())(params, state)
+
+  def _close_window(self, params: Any, state: Any) -> tuple[Any, Any]:
+    hidden = params
+    params = _batch.none_for_static(hidden)
+    # The gradients' types, for `close_window`'s dtypes and device variance: `jax.grad` gives
+    # each gradient its parameter's dtype, and per-device gradients vary over the axis.
+    like = self._cfg.axis.to_varying(_accumulate._gradient_like(params))
+    new_params, state = _accumulate.close_from_state(self._cfg, state, params, like)
+    return _batch.restore_static(new_params, hidden), state
+
   def _grads_of(self, params: Any, args: tuple) -> Any:
     """The gradients as `_micro_step` takes them (arrays only; lookahead's fast weights')."""
     grads = self._grad(params, *args)[1]
@@ -399,7 +426,7 @@ class TrainStep:
 
   def _next_window_k(self, state: Any) -> int:
     """The length of the window that opens next: `every_k`, or under `FollowNoiseScale` the
-    one the emitting program decided from the noise statistics (read back: one device-to-host
+    one the closing program decided from the noise statistics (read back: one device-to-host
     read of a scalar per update, which waits for that program)."""
     if isinstance(self.every_k, _noise.FollowNoiseScale):
       # Clipped like the device clips it (`_accumulate.window_length`): a restored state's
@@ -408,28 +435,39 @@ class TrainStep:
     return self.every_k
 
   def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
-    """Runs one of the two programs: compiled together on the first call with these argument
-    types (`compile`), or, for inputs unlike those they were compiled for, through `jax.jit`."""
+    """Runs the accumulating program, and on an emitting micro-step the closing one after it
+    (with every_k = 1 the one program that adds and closes): compiled together on the first
+    call with these argument types (`compile`), or, for inputs unlike those they were
+    compiled for, through `jax.jit`."""
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
+    fused = emit and self._cfg.unaccumulated
+    params, state, grad_buffer, value = self._run(
+      key, fused, params, state, grad_buffer, args, weight
+    )
+    if emit and not fused:
+      params, state = self._run(key, True, params, state)
+    return params, state, grad_buffer, value
+
+  def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
+    """One program (`_jit`'s key), compiled for `key`, else through `jax.jit`."""
     compiled = self._compiled[key]
     if compiled is not None:
       try:
-        return compiled[emit](params, state, grad_buffer, args, weight)
+        return compiled[program](*operands)
       except (TypeError, ValueError):
         # The compiled programs check their inputs before running (nothing donated yet): other
         # parameter or state types, or placements. `jax.jit` handles them from now on.
         self._compiled[key] = None
-    return self._programs[emit](params, state, grad_buffer, args, weight, emit=emit)
+    return self._programs[program](*operands)
 
   def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
     """Both programs for these arguments: traced one after the other, compiled concurrently
     (XLA compiles without holding Python's lock), so the pair costs about the time of the
     larger one instead of the sum of two."""
     emits = (True,) if self._cfg.unaccumulated else (False, True)
-    lowered = {e: self._programs[e].lower(params, state, grad_buffer, args, weight, emit=e)
-               for e in emits}  # fmt: skip
+    lowered = {e: self._lower(e, params, state, grad_buffer, args, weight) for e in emits}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
@@ -467,10 +505,18 @@ class TrainStep:
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
-    """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory)."""
+    """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory):
+    ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
+    ``(params, state)`` only: the emitting step runs the accumulating program, then this one
+    (with every_k = 1, the one program that adds and closes each window)."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = jax.eval_shape(self._grads_of, params, args)
-    return self._programs[emit].lower(params, state, grad_buffer, args, weight, emit=emit)
+    return self._lower(emit, params, state, grad_buffer, args, weight)
+
+  def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
+    if emit and not self._cfg.unaccumulated:
+      return self._programs[True].lower(params, state)  # the closing program
+    return self._programs[emit].lower(params, state, grad_buffer, args, weight)

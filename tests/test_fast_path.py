@@ -252,9 +252,12 @@ def test_train_step_programs_have_no_parameter_sized_temporary(k):
   for emit in (False, True) if k > 1 else (True,):
     memory = _hlo.memory(step.lower(PARAMS, state, BATCH, emit=emit).compile())
     assert memory["temp"] < LARGEST_LEAF, (emit, memory)
-  # The positive control: without the buffer the gradients are temporaries again.
+  # The positive control: without the buffer the gradients are temporaries again, in the
+  # program that computes them: with k > 1 the accumulating one (`lower(emit=True)` is then
+  # the closing program, which computes no gradient), with k = 1 the one fused program.
   plain = optax_accum.TrainStep(ref.mlp_loss, optax.adam(1e-3), k, grad_buffer=False)
-  memory = _hlo.memory(plain.lower(PARAMS, plain.init(PARAMS), BATCH, emit=True).compile())
+  lowered = plain.lower(PARAMS, plain.init(PARAMS), BATCH, emit=k == 1)
+  memory = _hlo.memory(lowered.compile())
   assert memory["temp"] >= LARGEST_LEAF, memory
 
 

@@ -26,6 +26,7 @@ whether the numbers are right. Select them with ``-m structure``.
 from __future__ import annotations
 
 import functools
+import re
 
 import _reference as ref
 import jax
@@ -133,11 +134,36 @@ def test_trainstep_emitting_program_copies_no_more_than_plain_adam(k):
   # The accumulator is reset lazily (by the next window's first add), so emitting neither
   # copies the sums out of the donated buffer nor fills it with zeros: two parameter-sized
   # copies that an eager reset costs.
+  # With k > 1 `lower(emit=True)` is the closing program (the emitting micro-step runs the
+  # accumulating program, then it); with k = 1 the one program that adds and closes.
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
   text = step.lower(PARAMS, step.init(PARAMS), BATCH, emit=True).compile().as_text()
   emit = hlo_stats(text)
   floor = _compile_step(ADAM, ADAM.init(PARAMS)).hlo
   assert emit.copy_bytes <= floor.copy_bytes, (emit.copies_where, floor.copies_where)
+
+
+def _dots(hlo_text: str) -> int:
+  return len(re.findall(r"= \S+ dot\(", hlo_text))
+
+
+@pytest.mark.parametrize("noise_scale", [False, True])
+def test_trainstep_closing_program_computes_no_gradient(noise_scale):
+  # The emitting micro-step runs the accumulating program, then the closing program
+  # (`lower(emit=True)`), which takes (params, state) only: the backward pass is compiled
+  # once, in the accumulating program (positive control: its forward and backward dots).
+  step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4, noise_scale=noise_scale)
+  state = step.init(PARAMS)
+  accumulating = step.lower(PARAMS, state, BATCH, emit=False)
+  closing = step.lower(PARAMS, state, BATCH, emit=True)
+  assert len(closing.args_info[0]) == 2  # params, state: no gradient buffer, no batch
+  n_layers = len(jax.tree.leaves(PARAMS)) // 2
+  assert _dots(accumulating.compile().as_text()) >= 2 * n_layers
+  assert _dots(closing.compile().as_text()) == 0
+  # every_k=1: no accumulator to close from; the one program still adds and closes.
+  fused = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=1)
+  lowered = fused.lower(PARAMS, fused.init(PARAMS), BATCH, emit=True)
+  assert _dots(lowered.compile().as_text()) >= 2 * n_layers
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -4,6 +4,8 @@ The reference is `_reference.run_steps` (a plain optax step on a direct `jax.gra
 batch); the compiled structure of the two programs is guarded in test_structure.py.
 """
 
+import functools
+
 import _reference as ref
 import chex
 import jax
@@ -60,6 +62,39 @@ def test_train_step_equals_dynamic_accumulate():
   assert int(s1.mini_step) == int(s2.mini_step) == 0
   s1, s2 = s1._replace(acc_grads=None), s2._replace(acc_grads=None)
   chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("noise_scale", [False, True])
+def test_train_step_emitting_call_equals_the_fused_emitting_program(noise_scale):
+  """The emitting micro-step runs the accumulating program, then the closing one (on params
+  and state only). It gives bit for bit what one program that adds and closes gives
+  (`_step(emit=True)`: TrainStep's emitting program before the split), for the parameters,
+  the loss and the whole state, the stale accumulator included; and to float32 rounding what
+  `accumulate` stepped through `jax.jit` with a static `emit=` gives (not bitwise: see
+  `test_train_step_equals_dynamic_accumulate`)."""
+  k = 3
+  mbs = _micro_batches(2 * k + 1, 4, seed=3)
+  weights = [1.0, 2.0, 0.0, 0.5, 3.0, 1.0, 2.0]  # a zero weight too
+  kw = dict(every_k=k, donate=False, grad_buffer=False, noise_scale=noise_scale)
+  step = optax_accum.TrainStep(ref.mlp_loss, ADAM, **kw)
+  fused = jax.jit(functools.partial(step._step, emit=True))
+  tx = optax_accum.accumulate(ADAM, k, noise_scale=noise_scale)
+  protocol = jax.jit(functools.partial(ref.step, tx, ref.mlp_loss), static_argnames="emit")
+  params = want = P0
+  state = proto_state = step.init(P0)
+  for i, (batch, w) in enumerate(zip(mbs, weights, strict=True)):
+    emit = i % k == k - 1 or i == len(mbs) - 1  # the last call closes a short window
+    if emit:
+      fused_out = fused(params, state, (), (batch,), jnp.float32(w))
+    params, state, loss = step(params, state, batch, weight=jnp.float32(w), force_emit=emit)
+    want, proto_state = protocol(want, proto_state, batch, weight=jnp.float32(w), emit=emit)
+    if emit:
+      fused_params, fused_state, _, fused_loss = fused_out
+      chex.assert_trees_all_equal((params, state, loss), (fused_params, fused_state, fused_loss))
+  assert int(state.gradient_step) == int(proto_state.gradient_step) == 3
+  # The protocol leaves its updates in the stale accumulator, TrainStep the window's sums.
+  state, proto_state = state._replace(acc_grads=None), proto_state._replace(acc_grads=None)
+  chex.assert_trees_all_close((params, state), (want, proto_state), rtol=1e-6, atol=1e-7)
 
 
 def test_train_step_resyncs_with_a_restored_state():
