@@ -368,7 +368,8 @@ def main(argv=None):
     ]
   bar.close()
   res["meta"]["seconds"] = time.perf_counter() - t0
-  files = _report.write(res, out)
+  # A compile-only run writes compile.md alone: results.md and results.json stay the full run's.
+  files = [] if set(only) <= {"compile"} else _report.write(res, out)
   if res.get("compile"):
     (out / "compile.md").write_text(
       "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
