@@ -221,12 +221,14 @@ class TrainStep:
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
     self._compiled = {}
     step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
-    programs = {emit: step(functools.partial(self._step, emit=emit)) for emit in (False, True)}
-    if not self._cfg.unaccumulated:
-      kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
-      donate = (0, 1) if 0 in self._donate_argnums else ()
-      programs[True] = jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw)
-    return programs
+    if self._cfg.unaccumulated:
+      return {True: step(functools.partial(self._step, emit=True))}
+    kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
+    donate = (0, 1) if 0 in self._donate_argnums else ()
+    return {
+      False: step(functools.partial(self._step, emit=False)),
+      True: jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw),
+    }
 
   def _binds_here(self) -> bool:
     """With `axis_name` under plain jit: the programs bind the axis themselves."""
@@ -464,8 +466,9 @@ class TrainStep:
 
   def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
     """Both programs for these arguments: traced one after the other, compiled concurrently
-    (XLA compiles without holding Python's lock), so the pair costs about the time of the
-    larger one instead of the sum of two."""
+    (XLA compiles without holding Python's lock). That helps where cores are free: XLA:CPU
+    already spreads one compile over two cores. What makes the pair cheap is the closing
+    program, which compiles no backward pass."""
     emits = (True,) if self._cfg.unaccumulated else (False, True)
     lowered = {e: self._lower(e, params, state, grad_buffer, args, weight) for e in emits}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
@@ -508,7 +511,7 @@ class TrainStep:
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory):
     ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
-    (with every_k = 1, the one program that adds and closes each window)."""
+    (with every_k = 1 either gives the one program, which adds and closes each window)."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
@@ -517,6 +520,8 @@ class TrainStep:
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
-    if emit and not self._cfg.unaccumulated:
+    if self._cfg.unaccumulated:  # every_k = 1: one program, every call closes its window
+      return self._programs[True].lower(params, state, grad_buffer, args, weight)
+    if emit:
       return self._programs[True].lower(params, state)  # the closing program
-    return self._programs[emit].lower(params, state, grad_buffer, args, weight)
+    return self._programs[False].lower(params, state, grad_buffer, args, weight)
