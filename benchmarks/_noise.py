@@ -37,12 +37,12 @@ BEFORE = " + noise_scale (before issue 22)"
 def _separate_finite_check():
   """Traces with the spelling before issue 22: the finite check a pass of its own beside
   ``Σ|g|²``, and the window's ``|Σ wᵢgᵢ|²`` read inside the conditional that closes it."""
-  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_BEFORE_COND
-  _accumulate.SQ_NORM_IS_FINITE_CHECK = _accumulate.SUMS_SQ_BEFORE_COND = False
+  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ
+  _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ = False, "inside"
   try:
     yield
   finally:
-    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_BEFORE_COND = old
+    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ = old
 
 
 def _traced_before(tx: optax.GradientTransformationExtraArgs) -> Any:

@@ -332,9 +332,12 @@ def window_length(cfg: Config, state: AccumulateState) -> jax.Array:
 # what the statistics cost (`benchmarks/_noise.py`) turns this off while it traces a "before"
 # contender, the earlier spelling (a separate finite check), to time both in one run.
 SQ_NORM_IS_FINITE_CHECK = True
-# ... and, with emission decided on the device, ``|Σ wᵢgᵢ|²`` is read before the conditional
-# that closes the window (`emit_dynamic`); the "before" contender reads it inside.
-SUMS_SQ_BEFORE_COND = True
+# ... and, with emission decided on the device, where the window's ``|Σ wᵢgᵢ|²`` is read
+# (`emit_dynamic`): "closing", in a conditional of its own, on the micro-step that closes the
+# window; "every", before the conditionals, on every micro-step (what issue 22 first did; a
+# structure test's control); "inside", in the conditional that closes the window (the
+# "before" contender: XLA then copies weight matrices on every accumulating micro-step).
+SUMS_SQ_READ = "closing"
 
 
 def sq_norm(cfg: Config, grads: Any) -> jax.Array | None:
@@ -566,6 +569,12 @@ def _close_noise(
   return _noise.close(noise, mean_sq, *_noise.partials(noise))
 
 
+def _no_sq(sums: Any) -> jax.Array:
+  """What a window that does not close reads of its sums: nothing."""
+  del sums
+  return jnp.zeros((), jnp.float32)
+
+
 def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
   return finish.empty(window.params, window.sums), window.inner_state, window.noise
 
@@ -633,13 +642,17 @@ def emit_dynamic(
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
-  if window.noise is not None and applies is not True and SUMS_SQ_BEFORE_COND:
-    # ``|Σ wᵢgᵢ|²`` read here, on every micro-step, not in the branch that closes the window:
-    # a read of the sums inside it (or in a conditional of its own) keeps XLA from updating
-    # them in place, and the branch that keeps the window open then copies three of
-    # 784-2048³-10's weight matrices on every accumulating micro-step (1.13-1.18x against
-    # noise_scale=False, `benchmarks/_noise.py`); one reduction here costs less.
-    window = window._replace(sums_sq=_noise.sq_norm(window.sums))
+  if window.noise is not None and applies is not True and SUMS_SQ_READ != "inside":
+    # ``|Σ wᵢgᵢ|²`` read in a conditional of its own, before the one that closes the window:
+    # read inside that one, it keeps XLA from updating the sums in place, and its branch that
+    # keeps the window open then copies three of 784-2048³-10's weight matrices on every
+    # accumulating micro-step (1.13-1.18x against noise_scale=False, `benchmarks/_noise.py`).
+    # Read here, the sums are read on the micro-step that closes the window only.
+    if SUMS_SQ_READ == "every":
+      sums_sq = _noise.sq_norm(window.sums)
+    else:
+      sums_sq = _collectives.cond(applies, _noise.sq_norm, _no_sq, window.sums)
+    window = window._replace(sums_sq=sums_sq)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
     return Closed(*apply(window), jnp.asarray(True))

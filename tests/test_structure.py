@@ -114,19 +114,48 @@ def test_accumulating_program_runs_no_inner_update_and_copies_no_state(front_end
   assert emitting.sqrt_ops > 0  # positive control: the emitting program does run Adam
 
 
+def _reductions_where(hlo_text: str, min_bytes: int) -> dict[str, int]:
+  """{placement: count} of the reductions (fusions or reduces to fewer than `min_bytes`) that
+  read a buffer of at least `min_bytes`, placed as `_hlo.placements` places them."""
+  comps, entry = _hlo.computations(hlo_text)
+  placement, fused = _hlo.placements(comps, entry)
+  found: dict[str, int] = {}
+  for comp, instrs in comps.items():
+    where = placement.get(comp)
+    if where is None or comp in fused:
+      continue
+    shapes = {i.name: i.shape for i in instrs}
+    for i in instrs:
+      if i.op not in ("fusion", "reduce") or _hlo.shape_bytes(i.shape) >= min_bytes:
+        continue
+      operands = [o.strip().lstrip("%") for o in i.rest.split(")")[0].split(",")]
+      if any(_hlo.shape_bytes(shapes.get(o, "")) >= min_bytes for o in operands):
+        found[where] = found.get(where, 0) + 1
+  return found
+
+
 def test_noise_scale_on_device_emission_copies_no_state_regression_issue_22(monkeypatch):
-  # The protocol path decides emission on the device: one conditional. Its window's
-  # |Σ wᵢgᵢ|², read inside the branch that closes the window (or in a conditional of its own),
-  # kept XLA from updating the sums in place, and the branch that keeps the window open copied
-  # weight matrices on every accumulating micro-step (1.13-1.18x the step without the
-  # statistics on the bench's MLPs). It is read before the conditional now.
-  tx = optax_accum.accumulate(ADAM, 4, noise_scale=True)
-  stats = _compile_step(tx, tx.init(PARAMS)).hlo
-  assert stats.copy_bytes < _smallest_leaf_bytes(PARAMS), stats.copies_where
-  monkeypatch.setattr(_accumulate, "SUMS_SQ_BEFORE_COND", False)  # the read inside: control
-  tx = optax_accum.accumulate(ADAM, 4, noise_scale=True)
-  control = _compile_step(tx, tx.init(PARAMS)).hlo
-  assert control.copies_where.get("cond", 0) >= _smallest_leaf_bytes(PARAMS), control
+  # The protocol path decides emission on the device: a conditional closes the window. Its
+  # |Σ wᵢgᵢ|², read inside that conditional, kept XLA from updating the sums in place, and the
+  # branch that keeps the window open copied weight matrices on every accumulating micro-step
+  # (1.13-1.18x the step without the statistics on the bench's MLPs). It is read in a
+  # conditional of its own now, on the closing micro-step only.
+  def compiled(read):
+    monkeypatch.setattr(_accumulate, "SUMS_SQ_READ", read)
+    tx = optax_accum.accumulate(ADAM, 4, noise_scale=True)
+    return _compile_step(tx, tx.init(PARAMS))
+
+  leaf = _smallest_leaf_bytes(PARAMS)
+  closing, every, inside = (compiled(read) for read in ("closing", "every", "inside"))
+  assert closing.hlo.copy_bytes < leaf, closing.hlo.copies_where
+  assert inside.hlo.copies_where.get("cond", 0) >= leaf, inside.hlo  # control: the copies
+  # Not read on every micro-step: one reduction of the sums fewer at the top level than the
+  # spelling that reads them before the conditionals (control, which copies nothing either),
+  # and one more in a conditional branch.
+  assert every.hlo.copy_bytes < leaf, every.hlo.copies_where
+  at_closing, at_every = (_reductions_where(p.text, leaf) for p in (closing, every))
+  assert at_closing.get("step", 0) < at_every.get("step", 0), (at_closing, at_every)
+  assert at_closing.get("cond", 0) > at_every.get("cond", 0), (at_closing, at_every)
 
 
 @pytest.mark.parametrize("k", [1, 4])
