@@ -2,7 +2,7 @@
 
     python benchmarks/gain_experiments.py            # both (the LM at a 2-core-CPU size)
     python benchmarks/gain_experiments.py --only convex
-    python benchmarks/gain_experiments.py --only lm --lm-steps 120
+    python benchmarks/gain_experiments.py --only lm --lm-steps 120   # a shorter LM recipe
 
 1. **Scale invariance on convex problems** (`convex`): the same base recipe (learning rate,
    schedule, length τ_end in base updates) at S = 1, 2, 4, 8, 16 base batches per window, with
@@ -16,9 +16,12 @@
    of the demo's byte LM), against the same recipe with the batch following the noise scale
    from K_SMALL (`FollowNoiseScale`, `scale_by_gain(rule="sqrt")`, schedules on τ), and a fixed
    small batch of K_SMALL micro-batches: tokens and optimizer steps each needs to reach the
-   fixed large batch's final held-out loss.
+   fixed large batch's final held-out loss. A fourth run is AdaScale's own premise: the small
+   batch's recipe (its learning rate and schedule, W0 = K_SMALL micro-batches), the batch grown
+   from it by the noise scale.
 
-Writes results.md, results.json and PNG plots to benchmarks/results/gain/ (or --out).
+Writes results.md, results.json and PNG plots to benchmarks/results/gain/ (or --out). A part
+left out by --only keeps the rows, and the command, of the run that measured it.
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def convex(log=print) -> list[dict]:
 # The byte language model.
 
 K_SMALL, K_LARGE, MICRO_ROWS = 2, 8, 4
+PARTS = ("convex", "lm")
 
 
 def lm(steps: int, log=print) -> list[dict]:
@@ -211,28 +215,38 @@ def lm(steps: int, log=print) -> list[dict]:
     idx = stream[i % len(stream)]
     return {"tokens": jnp.asarray(train[0][idx]), "mask": jnp.asarray(train[1][idx])}
 
-  base_tokens = float(np.mean([train[1][stream[i]].sum() for i in range(64)])) * K_LARGE
+  micro_tokens = float(np.mean([train[1][stream[i]].sum() for i in range(64)]))
+  base_tokens = micro_tokens * K_LARGE
   sched = optax.cosine_decay_schedule(lr, steps)  # the recipe: `steps` updates of K_LARGE
   small_steps = steps * K_LARGE // K_SMALL  # the small batch: the same tokens, its own length
+  small_sched = optax.cosine_decay_schedule(lr, small_steps)
   runs = [
     # name, inner optimizer, every_k, the run's end: ("updates", n) or ("progress", τ_end)
     (f"fixed large (k={K_LARGE})", optax.adam(sched), K_LARGE, ("updates", steps)),
+    (f"fixed small (k={K_SMALL})", optax.adam(small_sched), K_SMALL, ("updates", small_steps)),
+    # The large batch's recipe, from K_SMALL: S = K_SMALL / K_LARGE < 1 at first.
     (
-      f"fixed small (k={K_SMALL})",
-      optax.adam(optax.cosine_decay_schedule(lr, small_steps)),
-      K_SMALL,
-      ("updates", small_steps),
-    ),
-    (
-      f"adaptive (k={K_SMALL}→, gain)",
+      f"adaptive, large batch's recipe (k={K_SMALL}→, gain)",
       optax.chain(
         optax.scale_by_adam(),
         optax_accum.scale_by_gain(sched, base_weight=base_tokens, rule="sqrt"),
       ),
       optax_accum.FollowNoiseScale(
-        min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=base_tokens / K_LARGE
+        min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=micro_tokens
       ),
       ("progress", steps),
+    ),
+    # AdaScale's premise: the recipe tuned at the small batch B0, the batch grown from it.
+    (
+      f"adaptive, small batch's recipe (k={K_SMALL}→, gain)",
+      optax.chain(
+        optax.scale_by_adam(),
+        optax_accum.scale_by_gain(small_sched, base_weight=micro_tokens * K_SMALL, rule="sqrt"),
+      ),
+      optax_accum.FollowNoiseScale(
+        min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=micro_tokens
+      ),
+      ("progress", small_steps),
     ),
   ]
   out, target = [], None
@@ -316,7 +330,8 @@ def _plots(convex_rows, lm_rows, out: Path) -> list[str]:
         ax.plot(r["reached"]["tokens"], r["reached"]["update"], "o", color=ax.lines[-1].get_color())
     ax.set_xlabel("tokens")
     ax.set_ylabel("optimizer steps")
-    ax.set_title("byte LM: steps against tokens (dot: reaches the large batch's final loss)")
+    title = "byte LM: steps against tokens\n(dot: where a run reaches the large batch's final loss)"
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -386,33 +401,39 @@ def _lm_md(rows) -> list[str]:
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--only", default="convex,lm")
-  p.add_argument("--lm-steps", type=int, default=120, help="the LM recipe's updates")
+  p.add_argument("--lm-steps", type=int, default=240, help="the LM recipe's updates")
   p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gain"))
   p.add_argument("--render", action="store_true", help="measure nothing: redraw from results.json")
   args = p.parse_args(argv)
   out = Path(args.out)
   out.mkdir(parents=True, exist_ok=True)
+  saved = json.loads((out / "results.json").read_text()) if (out / "results.json").exists() else {}
+  # Which run measured each part: a part not run now keeps the rows (and run) it had.
+  runs = saved.get("runs") or {part: saved["meta"] for part in PARTS if saved.get(part)}
   if args.render:
-    res = json.loads((out / "results.json").read_text())
-    meta, convex_rows, lm_rows = res["meta"], res["convex"], res["lm"]
+    convex_rows, lm_rows = saved["convex"], saved["lm"]
   else:
     only = args.only.split(",")
     start = time.perf_counter()
-    convex_rows = convex() if "convex" in only else []
-    lm_rows = lm(args.lm_steps) if "lm" in only else []
+    convex_rows = convex() if "convex" in only else saved.get("convex", [])
+    lm_rows = lm(args.lm_steps) if "lm" in only else saved.get("lm", [])
     meta = {
       "command": "python benchmarks/gain_experiments.py " + " ".join(argv or sys.argv[1:]),
       "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
       "backend": jax.default_backend(),
       "seconds": round(time.perf_counter() - start, 1),
     }
-    (out / "results.json").write_text(json.dumps({"meta": meta, "convex": convex_rows,
+    runs = {**runs, **{part: meta for part in PARTS if part in only}}
+    (out / "results.json").write_text(json.dumps({"runs": runs, "convex": convex_rows,
                                                   "lm": lm_rows}, indent=1))  # fmt: skip
   files = _plots(convex_rows, lm_rows, out)
   md = [
     "# The gain's experiments (issue 22)",
     "",
-    f"`{meta['command'].strip()}` on {meta['backend']}, {meta['date']}, {meta['seconds']} s.",
+    *[
+      f"{part}: `{m['command'].strip()}` on {m['backend']}, {m['date']}, {m['seconds']} s."
+      for part, m in runs.items()
+    ],
     "",
     *_convex_md(convex_rows),
     *_lm_md(lm_rows),
