@@ -256,8 +256,8 @@ def check_lm_run(run: pathlib.Path) -> None:
 
 def _figures(res: dict[str, Any], backend: str, pngs: list[pathlib.Path]) -> str:
   """MyST figures for a run's plots, paths relative to ``docs/``, captions from its meta."""
-  models = res["meta"].get("models", {})
-  within = res["meta"].get("within_model", {})
+  meta = res.get("meta", {})  # the gain experiments' results say which run made each part
+  models, within = meta.get("models", {}), meta.get("within_model", {})
   captions = {
     f"cross_{name}": f"Cross-step, {m.get('shape', name)} ({m['params']:,} parameters, "
     f"micro-batch {m['micro']}): time per micro-step against plain Adam, and compiled temp."
