@@ -46,31 +46,13 @@ from optax_accum import _hlo  # noqa: E402
 CLASSES = ("reductions", "dots to a vector", "everything else")
 
 
-def _kind(instr: _hlo.Instruction, shapes: dict[str, str], big: int) -> str:
-  """Which class an op of a compiled program is in: it reads a buffer of at least `big`
-  bytes and writes 1/256 of it or less (a reduction, or a dot to a vector), or neither."""
-  if instr.op not in ("fusion", "reduce", "dot"):
-    return CLASSES[2]
-  operands = [o.strip().lstrip("%") for o in instr.rest.split(")")[0].split(",")]
-  read = max((_hlo.shape_bytes(shapes.get(o, "")) for o in operands), default=0)
-  if read < big or 256 * _hlo.shape_bytes(instr.shape) > read:
-    return CLASSES[2]
-  return CLASSES[1] if instr.op == "dot" else CLASSES[0]
-
-
 def _classes(text: str, big: int) -> tuple[str, dict[str, str]]:
-  """The module's name and {op name: class} for every top-level op of every computation
-  (fusion bodies are part of their fusion's op)."""
+  """The module's name and {op name: class} for its reductions and dots to a vector (ops that
+  read a buffer of at least `big` bytes and write less than 1/64 of that); any other op is in
+  the last class."""
   module = re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
-  comps, entry = _hlo.computations(text)
-  _, fused = _hlo.placements(comps, entry)
-  kinds = {}
-  for comp, instrs in comps.items():
-    if comp in fused:
-      continue
-    shapes = {i.name: i.shape for i in instrs}
-    kinds.update({i.name: _kind(i, shapes, big) for i in instrs})
-  return module, kinds
+  narrowing = _hlo.narrowing_ops(text, big, big // 64)
+  return module, {i.name: CLASSES[1] if i.op == "dot" else CLASSES[0] for _, i in narrowing}
 
 
 def _trace(c: X.Contender, steps: int) -> list[tuple[str, str, float, int]]:

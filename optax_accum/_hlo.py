@@ -9,6 +9,7 @@ library's structure guards and benchmarks are about:
   branch of a conditional (one all-reduce per update, none inside a loop);
 * `hlo_stats` — copies, conditionals, loops, fusions and collectives, each placed by how often
   it runs (every call, inside a loop body, inside a conditional branch);
+* `narrowing_ops` — the reductions and matrix-vector products of large buffers, placed alike;
 * `memory`, `peak_bytes` — argument, output, temp and alias bytes, and the compiled peak
   ``argument + output + temp - alias``;
 * `compile_fn` — all of the above for one jitted function, with its compile time.
@@ -274,6 +275,30 @@ def hlo_stats(hlo_text: str) -> HloStats:
         bump(stats.collective_where, where)
         bump(stats.collective_bytes, where, shape_bytes(instr.shape))
   return stats
+
+
+def narrowing_ops(hlo_text: str, min_read: int, max_write: int) -> list[tuple[str, Instruction]]:
+  """``(placement, instruction)`` of each op that reads a buffer of at least `min_read` bytes
+  and writes fewer than `max_write`: a reduction (a fusion or a reduce) or a `dot` down to a
+  vector, e.g. a squared norm or the finite check of a gradient. Fusion bodies are part of
+  their fusion; placements as `placements` gives them."""
+  comps, entry = computations(hlo_text)
+  if entry is None:
+    return []
+  placement, fused = placements(comps, entry)
+  found = []
+  for comp, instrs in comps.items():
+    where = placement.get(comp)
+    if where is None or comp in fused:
+      continue
+    shapes = {i.name: i.shape for i in instrs}
+    for i in instrs:
+      if i.op not in ("fusion", "reduce", "dot") or shape_bytes(i.shape) >= max_write:
+        continue
+      operands = [o.strip().lstrip("%") for o in i.rest.split(")")[0].split(",")]
+      if any(shape_bytes(shapes.get(o, "")) >= min_read for o in operands):
+        found.append((where, i))
+  return found
 
 
 def memory(compiled: Any) -> dict[str, int]:

@@ -115,22 +115,12 @@ def test_accumulating_program_runs_no_inner_update_and_copies_no_state(front_end
 
 
 def _reductions_where(hlo_text: str, min_bytes: int) -> dict[str, int]:
-  """{placement: count} of the reductions (fusions or reduces to fewer than `min_bytes`) that
-  read a buffer of at least `min_bytes`, placed as `_hlo.placements` places them."""
-  comps, entry = _hlo.computations(hlo_text)
-  placement, fused = _hlo.placements(comps, entry)
+  """{placement: count} of the reductions (not dots) of a buffer of at least `min_bytes` to
+  fewer bytes."""
   found: dict[str, int] = {}
-  for comp, instrs in comps.items():
-    where = placement.get(comp)
-    if where is None or comp in fused:
-      continue
-    shapes = {i.name: i.shape for i in instrs}
-    for i in instrs:
-      if i.op not in ("fusion", "reduce") or _hlo.shape_bytes(i.shape) >= min_bytes:
-        continue
-      operands = [o.strip().lstrip("%") for o in i.rest.split(")")[0].split(",")]
-      if any(_hlo.shape_bytes(shapes.get(o, "")) >= min_bytes for o in operands):
-        found[where] = found.get(where, 0) + 1
+  for where, instr in _hlo.narrowing_ops(hlo_text, min_bytes, min_bytes):
+    if instr.op != "dot":
+      found[where] = found.get(where, 0) + 1
   return found
 
 
