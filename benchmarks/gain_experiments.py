@@ -225,28 +225,10 @@ def lm(steps: int, log=print) -> list[dict]:
     (f"fixed large (k={K_LARGE})", optax.adam(sched), K_LARGE, ("updates", steps)),
     (f"fixed small (k={K_SMALL})", optax.adam(small_sched), K_SMALL, ("updates", small_steps)),
     # The large batch's recipe, from K_SMALL: S = K_SMALL / K_LARGE < 1 at first.
-    (
-      f"adaptive, large batch's recipe (k={K_SMALL}→, gain)",
-      optax.chain(
-        optax.scale_by_adam(),
-        optax_accum.scale_by_gain(sched, base_weight=base_tokens, rule="sqrt"),
-      ),
-      optax_accum.FollowNoiseScale(
-        min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=micro_tokens
-      ),
-      ("progress", steps),
-    ),
+    _adaptive("large batch's recipe", sched, base_tokens, steps, micro_tokens),
     # AdaScale's premise: the recipe tuned at the small batch B0, the batch grown from it.
-    (
-      f"adaptive, small batch's recipe (k={K_SMALL}→, gain)",
-      optax.chain(
-        optax.scale_by_adam(),
-        optax_accum.scale_by_gain(small_sched, base_weight=micro_tokens * K_SMALL, rule="sqrt"),
-      ),
-      optax_accum.FollowNoiseScale(
-        min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=micro_tokens
-      ),
-      ("progress", small_steps),
+    _adaptive(
+      "small batch's recipe", small_sched, micro_tokens * K_SMALL, small_steps, micro_tokens
     ),
   ]
   out, target = [], None
@@ -259,6 +241,19 @@ def lm(steps: int, log=print) -> list[dict]:
     out.append(r)
     log(f"[lm] {name}: {r['curve'][-1]}, reached {r['reached']} ({r['seconds']:.0f} s)")
   return out
+
+
+def _adaptive(recipe: str, sched, base_weight: float, end: int, micro_tokens: float) -> tuple:
+  """A run whose batch follows the noise scale from K_SMALL micro-batches, with the gain on
+  a recipe (`sched`, tuned at `base_weight` tokens) and its end at τ = `end`."""
+  return (
+    f"adaptive, {recipe} (k={K_SMALL}→, gain)",
+    optax.chain(
+      optax.scale_by_adam(), optax_accum.scale_by_gain(sched, base_weight=base_weight, rule="sqrt")
+    ),
+    optax_accum.FollowNoiseScale(min_k=K_SMALL, max_k=4 * K_LARGE, micro_batch_weight=micro_tokens),
+    ("progress", end),
+  )
 
 
 def _lm_run(loss, params, inner, every_k, until, end, micro, held, target) -> dict:

@@ -50,9 +50,8 @@ def _classes(text: str, big: int) -> tuple[str, dict[str, str]]:
   """The module's name and {op name: class} for its reductions and dots to a vector (ops that
   read a buffer of at least `big` bytes and write less than 1/64 of that); any other op is in
   the last class."""
-  module = re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
   narrowing = _hlo.narrowing_ops(text, big, big // 64)
-  return module, {i.name: CLASSES[1] if i.op == "dot" else CLASSES[0] for _, i in narrowing}
+  return _module(text), {i.name: CLASSES[1] if i.op == "dot" else CLASSES[0] for _, i in narrowing}
 
 
 def _trace(c: X.Contender, steps: int) -> list[tuple[str, str, float, int]]:
@@ -84,7 +83,6 @@ def profile(c: X.Contender, k: int, steps: int, big: int) -> dict[str, dict[str,
   `TrainStep` runs its accumulating program on every micro-step and its closing program after
   the window's last: a closing micro-step is one run of each."""
   kinds = dict(_classes(p.text, big) for p in c.programs.values())
-  c.reset(c.params)
   for _ in range(2 * k):  # warm up, and start the trace on a window's first micro-step
     c.step()
   executions = collections.defaultdict(set)  # (module, phase) -> execution numbers
@@ -99,14 +97,16 @@ def profile(c: X.Contender, k: int, steps: int, big: int) -> dict[str, dict[str,
   mean = {key: {cls: ms[key][cls] / len(executions[key]) for cls in CLASSES} for key in ms}
   if protocol:
     return {phase: row for (_, phase), row in mean.items()}
-  (accumulating,) = [row for (m, _), row in mean.items() if m == _module(c, "accumulate")]
-  (closing,) = [row for (m, _), row in mean.items() if m == _module(c, "emit")]
+  accumulate, close = (_module(c.programs[p].text) for p in ("accumulate", "emit"))
+  (accumulating,) = [row for (m, _), row in mean.items() if m == accumulate]
+  (closing,) = [row for (m, _), row in mean.items() if m == close]
   both = {cls: accumulating[cls] + closing[cls] for cls in CLASSES}
   return {"open": accumulating, "closing": both}
 
 
-def _module(c: X.Contender, program: str) -> str:
-  return re.search(r"^HloModule\s+([\w.\-]+)", c.programs[program].text, re.M).group(1)
+def _module(text: str) -> str:
+  """The name of a compiled program's HLO module (what the profile's events carry)."""
+  return re.search(r"^HloModule\s+([\w.\-]+)", text, re.M).group(1)
 
 
 def main(argv=None) -> dict:
