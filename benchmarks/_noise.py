@@ -26,7 +26,7 @@ import optax
 import optax_accum
 from benchmarks import _cross as X
 from benchmarks import _harness as H
-from optax_accum import _accumulate
+from optax_accum import _accumulate, _noise
 
 PATHS = ("accumulate (protocol)", "TrainStep")
 WITH = " + noise_scale"
@@ -36,13 +36,15 @@ BEFORE = " + noise_scale (before issue 22)"
 @contextlib.contextmanager
 def _separate_finite_check():
   """Traces with the spelling before issue 22: the finite check a pass of its own beside
-  ``Σ|g|²``, and the window's ``|Σ wᵢgᵢ|²`` read inside the conditional that closes it."""
-  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ
+  ``Σ|g|²``, each squared norm one plain sum, and the window's ``|Σ wᵢgᵢ|²`` read inside the
+  conditional that closes it."""
+  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST
   _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ = False, "inside"
+  _noise.SUM_ROWS_FIRST = False
   try:
     yield
   finally:
-    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ = old
+    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST = old
 
 
 def _traced_before(tx: optax.GradientTransformationExtraArgs) -> Any:

@@ -277,11 +277,14 @@ def hlo_stats(hlo_text: str) -> HloStats:
   return stats
 
 
+_NARROWING = ("fusion", "reduce", "reduce-window", "dot")
+
+
 def narrowing_ops(hlo_text: str, min_read: int, max_write: int) -> list[tuple[str, Instruction]]:
   """``(placement, instruction)`` of each op that reads a buffer of at least `min_read` bytes
-  and writes fewer than `max_write`: a reduction (a fusion or a reduce) or a `dot` down to a
-  vector, e.g. a squared norm or the finite check of a gradient. Fusion bodies are part of
-  their fusion; placements as `placements` gives them."""
+  and writes fewer than `max_write`: a reduction (a fusion, a reduce or a reduce-window) or a
+  `dot` down to a vector, e.g. a squared norm or the finite check of a gradient. Fusion bodies
+  are part of their fusion; placements as `placements` gives them."""
   comps, entry = computations(hlo_text)
   if entry is None:
     return []
@@ -293,7 +296,7 @@ def narrowing_ops(hlo_text: str, min_read: int, max_write: int) -> list[tuple[st
       continue
     shapes = {i.name: i.shape for i in instrs}
     for i in instrs:
-      if i.op not in ("fusion", "reduce", "dot") or shape_bytes(i.shape) >= max_write:
+      if i.op not in _NARROWING or shape_bytes(i.shape) >= max_write:
         continue
       operands = [o.strip().lstrip("%") for o in i.rest.split(")")[0].split(",")]
       if any(shape_bytes(shapes.get(o, "")) >= min_read for o in operands):

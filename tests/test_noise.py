@@ -214,6 +214,19 @@ def test_sq_norm_dtypes_against_float64():
   assert float(_noise.sq_norm({"n": jnp.arange(3)})) == 0.0
 
 
+@pytest.mark.parametrize("rows_first", [True, False])
+@pytest.mark.parametrize("shape", [(96, 40), (3, 3, 8, 16), (1, 70), (70, 1), (0, 4)])
+def test_sq_norm_matrix_leaves_against_float64(shape, rows_first, monkeypatch):
+  # On CPU a matrix leaf is summed over its rows first (every axis but the last: `_noise._sum`),
+  # elsewhere in one reduction (the control, SUM_ROWS_FIRST off): both give the float64 sum
+  # to float32 rounding, eagerly and under jit.
+  monkeypatch.setattr(_noise, "SUM_ROWS_FIRST", rows_first)
+  x = np.random.default_rng(7).normal(size=shape).astype(np.float32)
+  want = float(np.sum(np.asarray(x, np.float64) ** 2))
+  for f in (_noise.sq_norm, jax.jit(_noise.sq_norm)):
+    np.testing.assert_allclose(f({"w": jnp.asarray(x), "b": jnp.ones(3)}), want + 3, rtol=1e-6)
+
+
 def test_sq_norm_bf16_does_not_round_in_bf16():
   # 4096 squares of 1 + 2⁻⁷: summed or squared in bfloat16 this would lose the fraction
   x = jnp.full((4096,), 1 + 2.0**-7, jnp.bfloat16)

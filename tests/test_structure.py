@@ -39,7 +39,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _accumulate, _hlo, count_collectives
+from optax_accum import _accumulate, _hlo, _noise, count_collectives
 from optax_accum._hlo import compile_fn, hlo_stats
 
 pytestmark = pytest.mark.structure
@@ -146,6 +146,71 @@ def test_noise_scale_on_device_emission_copies_no_state_regression_issue_22(monk
   at_closing, at_every = (_reductions_where(p.text, leaf) for p in (closing, every))
   assert at_closing.get("step", 0) < at_every.get("step", 0), (at_closing, at_every)
   assert at_closing.get("cond", 0) > at_every.get("cond", 0), (at_closing, at_every)
+
+
+_SQUARE_WINDOWS = re.compile(r"window=\{size=32x32 ")
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU form of the squared norm")
+@pytest.mark.parametrize("front_end", ["accumulate", "train_step"])
+def test_noise_sq_norm_is_not_rewritten_into_square_windows_regression_issue_22(
+  front_end, monkeypatch
+):
+  # XLA:CPU's tree-reduction pass rewrote each micro-batch's Σ|g|² of a weight (whose gradient
+  # autodiff lays out transposed) into 32x32 reduce-windows, which read it 3-4x slower than the
+  # finite check's matrix-vector product: most of noise_scale=True's cost on the bench's MLPs.
+  # Summed over its rows first (`_noise._sum`), it is left alone; the plain sum is
+  # the control. Layers wider than 32: narrower ones are never rewritten.
+  params = ref.mlp_params(0, (48, 96, 96, 4))
+  batch = ref.regression_data(1, 8, 48, 4)
+
+  def accumulating(rows_first):
+    monkeypatch.setattr(_noise, "SUM_ROWS_FIRST", rows_first)
+    if front_end == "accumulate":
+      tx = optax_accum.accumulate(ADAM, 4, noise_scale=True)
+      step = functools.partial(ref.step, tx, ref.mlp_loss, emit=False)
+      return compile_fn(step, params, tx.init(params), batch, donate_argnums=(0, 1)).text
+    step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4, noise_scale=True)
+    return step.lower(params, step.init(params), batch, emit=False).compile().as_text()
+
+  assert _SQUARE_WINDOWS.search(accumulating(False))  # control
+  assert not _SQUARE_WINDOWS.search(accumulating(True))
+
+
+def test_noise_sq_norm_of_sharded_leaves_gathers_nothing():
+  # The rows-first window is for leaves whole on each device: across a sharded axis the
+  # partitioner would gather the leaf (the control), and an Explicit mesh refuses it. A leaf
+  # a mesh may shard takes the plain sum: partial sums and one scalar all-reduce.
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  x = jax.device_put(
+    jnp.arange(256 * 64, dtype=jnp.float32).reshape(256, 64) / 1e4,
+    jax.sharding.NamedSharding(mesh, P("d", None)),
+  )
+  want = float(np.sum(np.asarray(x, np.float64) ** 2))
+  text = jax.jit(_noise.sq_norm).lower(x).compile().as_text()
+  assert count_collectives(text, "all-gather") == 0, text
+  assert count_collectives(text, "all-reduce") == 1
+  gathers = jax.jit(_noise._sum_rows_first).lower(jnp.square(x)).compile().as_text()
+  assert count_collectives(gathers, "all-gather") == 1  # control
+  np.testing.assert_allclose(jax.jit(_noise.sq_norm)(x), want, rtol=1e-6)
+  explicit = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(explicit):
+    y = jax.device_put(x, jax.sharding.NamedSharding(explicit, P("d", None)))
+    np.testing.assert_allclose(jax.jit(_noise.sq_norm)(y), want, rtol=1e-6)
+  # Whole on each device, so the rows-first form: outside any mesh, and inside a shard_map
+  # over every axis; not where an Auto or Explicit axis may shard it.
+  seen = []
+
+  def record(v):
+    seen.append(_noise._local(v))
+    return v
+
+  jax.jit(record).trace(np.ones((4, 4), np.float32))
+  jax.jit(jax.shard_map(record, mesh=mesh, in_specs=P("d"), out_specs=P("d"))).trace(x)
+  jax.jit(record).trace(x)
+  with jax.set_mesh(explicit):
+    jax.jit(record).trace(y)
+  assert seen == [True, True, False, False]
 
 
 @pytest.mark.parametrize("k", [1, 4])
