@@ -120,8 +120,9 @@ def sq_norm(tree: Any, over_shards: Callable[[list, list], jax.Array] | None = N
   """The squared norm ``Σ |x|²`` of a pytree's floating (and complex) leaves, as float32.
 
   Each leaf is read once: the upcast (bfloat16 and float16 to float32) and the square fuse
-  into the reduction, so there is no temporary; a float64 leaf is reduced in float64. A complex
-  leaf contributes ``re² + im²``. Integer and bool leaves are not gradients and are left out.
+  into the reduction (`_sum`; on CPU a matrix leaf's rows first), so there is no leaf-sized
+  temporary; a float64 leaf is reduced in float64. A complex leaf contributes ``re² + im²``.
+  Integer and bool leaves are not gradients and are left out.
 
   Args:
     tree: a pytree of arrays (a gradient).
