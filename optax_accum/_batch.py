@@ -369,7 +369,7 @@ def explicit_spec(x: Any) -> PartitionSpec | None:
   }
   if not {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))} & explicit:
     return None
-  return PartitionSpec(*spec, *[None] * (len(x.shape) - len(spec)))
+  return PartitionSpec(*spec, *[None] * (len(np.shape(x)) - len(spec)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from optax_accum import _batch
 from optax_accum._typing import AxisName, Reduction
 
 AXIS_NOT_BOUND = (
@@ -265,28 +266,12 @@ def keep_sharding(new: Any, old: Any) -> Any:
   """
 
   def one(x, o):
-    want, now = _explicit_spec(o), _explicit_spec(x)
+    want, now = _batch.explicit_spec(o), _batch.explicit_spec(x)
     if want == now or (want is None and now is None):
       return x
     return jax.sharding.reshard(x, want if want is not None else jax.sharding.PartitionSpec())
 
   return jax.tree.map(one, new, old)
-
-
-def _explicit_spec(x: Any) -> Any:
-  """`x`'s spec (padded to its rank) when it is sharded over an Explicit mesh axis, else None."""
-  sharding = getattr(jax.typeof(x), "sharding", None)
-  mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-  if mesh is None or spec is None or mesh.empty:
-    return None
-  explicit = {
-    n
-    for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
-    if t == jax.sharding.AxisType.Explicit
-  }
-  if not {a for e in spec if e for a in (e if isinstance(e, tuple) else (e,))} & explicit:
-    return None
-  return jax.sharding.PartitionSpec(*spec, *[None] * (jnp.ndim(x) - len(spec)))
 
 
 class Axis(NamedTuple):
