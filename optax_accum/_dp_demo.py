@@ -88,12 +88,14 @@ def accuracy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 
 def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
   """DP training: one Poisson batch per update, its micro-steps chosen on the host."""
-  sampler = optax_accum.PoissonSampler(len(x), args.batch_size / len(x), args.micro, seed=args.seed)
-  noise = optax_accum.dp_noise(
+  sampler = optax_accum.privacy.PoissonSampler(
+    len(x), args.batch_size / len(x), args.micro, seed=args.seed
+  )
+  noise = optax_accum.privacy.dp_noise(
     sigma, args.clip, sampler.expected_batch_size, jax.random.key(args.seed + 1)
   )
   step = optax_accum.TrainStep(
-    optax_accum.clipped_loss(loss, args.clip, batch_argnums=(1, 2), mask_argnum=3),
+    optax_accum.privacy.clipped_loss(loss, args.clip, batch_argnums=(1, 2), mask_argnum=3),
     optax.chain(noise, optax.adam(args.lr)),
     every_k=len(x) // args.micro + 1,  # a cap above any window: force_emit closes each one
     reduction="sum",
@@ -135,7 +137,7 @@ def main(argv: Sequence[str]) -> dict:
   args = parse_args(argv)
   (x, y), (x_test, y_test) = load_digits(seed=args.seed)
   q = args.batch_size / len(x)
-  sigma = optax_accum.dp_noise_multiplier(args.epsilon, args.updates, q, args.delta)
+  sigma = optax_accum.privacy.dp_noise_multiplier(args.epsilon, args.updates, q, args.delta)
   params0 = init_mlp(jax.random.key(args.seed), (x.shape[1], args.hidden, 10))
   print(
     f"digits: {len(x)} train / {len(x_test)} test, MLP 64-{args.hidden}-10; Poisson q={q:.4f} "
@@ -146,8 +148,8 @@ def main(argv: Sequence[str]) -> dict:
   copy = jax.tree.map(jnp.copy, params0)  # TrainStep donates its parameters
   private, state, micro_steps = train_private(args, copy, x, y, sigma)
   seconds = time.perf_counter() - t0
-  updates = int(optax_accum.dp_updates(state))
-  eps = optax_accum.dp_epsilon(updates, q, sigma, args.delta)
+  updates = int(optax_accum.privacy.dp_updates(state))
+  eps = optax_accum.privacy.dp_epsilon(updates, q, sigma, args.delta)
   plain = train_plain(args, params0, x, y)
   out = {
     "epsilon": eps,

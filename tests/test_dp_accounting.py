@@ -26,27 +26,29 @@ def direct_epsilon(steps, q, sigma, delta, accountant="rdp"):
   "steps, q, sigma, delta", [(1, 1.0, 2.0, 1e-5), (100, 0.01, 1.1, 1e-5), (2500, 0.004, 0.8, 1e-6)]
 )
 def test_dp_epsilon_equals_dp_accounting_rdp(steps, q, sigma, delta):
-  assert oa.dp_epsilon(steps, q, sigma, delta) == direct_epsilon(steps, q, sigma, delta)
+  assert oa.privacy.dp_epsilon(steps, q, sigma, delta) == direct_epsilon(steps, q, sigma, delta)
 
 
 def test_dp_epsilon_equals_dp_accounting_pld():
-  got = oa.dp_epsilon(50, 0.02, 1.0, 1e-5, accountant="pld")
+  got = oa.privacy.dp_epsilon(50, 0.02, 1.0, 1e-5, accountant="pld")
   assert got == direct_epsilon(50, 0.02, 1.0, 1e-5, "pld")
-  assert got < oa.dp_epsilon(50, 0.02, 1.0, 1e-5)  # PLD is the tighter of the two
+  assert got < oa.privacy.dp_epsilon(50, 0.02, 1.0, 1e-5)  # PLD is the tighter of the two
 
 
 def test_dp_epsilon_edge_cases():
-  assert oa.dp_epsilon(0, 0.1, 1.0, 1e-5) == 0.0
-  assert oa.dp_epsilon(5, 0.1, 0.0, 1e-5) == np.inf
-  assert oa.dp_epsilon(np.int32(7), 0.1, 1.0, 1e-5) == oa.dp_epsilon(7, 0.1, 1.0, 1e-5)
+  assert oa.privacy.dp_epsilon(0, 0.1, 1.0, 1e-5) == 0.0
+  assert oa.privacy.dp_epsilon(5, 0.1, 0.0, 1e-5) == np.inf
+  assert oa.privacy.dp_epsilon(np.int32(7), 0.1, 1.0, 1e-5) == oa.privacy.dp_epsilon(
+    7, 0.1, 1.0, 1e-5
+  )
 
 
 def _run(k, updates, every_step):
   """`updates` windows of `k` micro-steps through accumulate or TrainStep with dp_noise."""
   params, batch = ref.mlp_params(0), ref.regression_data(1, 4)
   seed = 1000 + k + 10 * updates + every_step
-  inner = optax.chain(oa.dp_noise(1.0, 1.0, 64.0, jax.random.key(seed)), optax.sgd(0.1))
-  loss = oa.clipped_loss(ref.mlp_loss, 1.0)
+  inner = optax.chain(oa.privacy.dp_noise(1.0, 1.0, 64.0, jax.random.key(seed)), optax.sgd(0.1))
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, 1.0)
   if every_step:
     step = oa.TrainStep(loss, inner, every_k=k, reduction="sum")
     state = step.init(params)
@@ -66,28 +68,28 @@ def _run(k, updates, every_step):
 @pytest.mark.parametrize("train_step", [False, True])
 def test_dp_updates_four_updates_with_k16_are_four_steps(train_step):
   state = _run(16, 4, train_step)
-  assert int(oa.dp_updates(state)) == 4  # 64 micro-steps, 4 updates
-  eps = oa.dp_epsilon(oa.dp_updates(state), 0.01, 1.0, 1e-5)
+  assert int(oa.privacy.dp_updates(state)) == 4  # 64 micro-steps, 4 updates
+  eps = oa.privacy.dp_epsilon(oa.privacy.dp_updates(state), 0.01, 1.0, 1e-5)
   assert eps == direct_epsilon(4, 0.01, 1.0, 1e-5)
   assert eps < direct_epsilon(64, 0.01, 1.0, 1e-5)  # what counting micro-steps would claim
 
 
 def test_dp_updates_counts_in_step_updates():
-  tx = oa.dp_noise(1.0, 1.0, 8.0, jax.random.key(4242))
+  tx = oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(4242))
   state = tx.init(jnp.zeros(3))
   for _ in range(3):
     _, state = tx.update(jnp.ones(3), state)
-  assert int(oa.dp_updates(state)) == 3
+  assert int(oa.privacy.dp_updates(state)) == 3
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_dp_noise_multiplier_reaches_target_epsilon(accountant):
   target, steps, q, delta = 2.0, 200, 0.02, 1e-5
-  sigma = oa.dp_noise_multiplier(target, steps, q, delta, accountant=accountant)
-  eps = oa.dp_epsilon(steps, q, sigma, delta, accountant=accountant)
+  sigma = oa.privacy.dp_noise_multiplier(target, steps, q, delta, accountant=accountant)
+  eps = oa.privacy.dp_epsilon(steps, q, sigma, delta, accountant=accountant)
   assert eps <= target
   assert eps > 0.95 * target  # the smallest σ that reaches it, not any σ
-  assert oa.dp_epsilon(steps, q, 0.97 * sigma, delta, accountant=accountant) > eps
+  assert oa.privacy.dp_epsilon(steps, q, 0.97 * sigma, delta, accountant=accountant) > eps
 
 
 @pytest.mark.parametrize(
@@ -106,7 +108,7 @@ def test_dp_noise_multiplier_reaches_target_epsilon(accountant):
 def test_dp_epsilon_rejects_out_of_range_arguments(kwargs, match):
   args = dict(num_updates=10, sampling_rate=0.1, noise_multiplier=1.0, delta=1e-5) | kwargs
   with pytest.raises(ValueError, match=rf"dp_epsilon: {match}"):
-    oa.dp_epsilon(**args)
+    oa.privacy.dp_epsilon(**args)
 
 
 @pytest.mark.parametrize(
@@ -121,4 +123,4 @@ def test_dp_epsilon_rejects_out_of_range_arguments(kwargs, match):
 def test_dp_noise_multiplier_rejects_out_of_range_arguments(kwargs, match):
   args = dict(target_epsilon=1.0, num_updates=10, sampling_rate=0.1, delta=1e-5) | kwargs
   with pytest.raises(ValueError, match=rf"dp_noise_multiplier: {match}"):
-    oa.dp_noise_multiplier(**args)
+    oa.privacy.dp_noise_multiplier(**args)

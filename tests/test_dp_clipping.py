@@ -61,20 +61,20 @@ def problem():
 @pytest.mark.parametrize("jit", [False, True])
 def test_clipped_grad_matches_per_example_reference(problem, jit):
   params, batch, clip = problem
-  f = oa.clipped_grad(ref.mlp_loss, clip)
+  f = oa.privacy.clipped_grad(ref.mlp_loss, clip)
   f = jax.jit(f) if jit else f
   assert_close(f(params, batch), reference_sum(params, batch, clip))
 
 
 def test_clipped_grad_clips_half_and_reports_stats(problem):
   params, batch, clip = problem
-  grads, stats = oa.clipped_grad(ref.mlp_loss, clip, return_stats=True)(params, batch)
+  grads, stats = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True)(params, batch)
   norms = [np.sqrt(sum(np.sum(v**2) for v in g.values())) for g in per_example_grads(params, batch)]
   np.testing.assert_allclose(stats.norms, norms, rtol=1e-5)
   assert float(stats.num_examples) == N
   assert float(stats.num_clipped) == sum(n > clip for n in norms) == N // 2
   # Each example alone: its clipped gradient has norm min(‖g‖, C).
-  f = jax.jit(oa.clipped_grad(ref.mlp_loss, clip))
+  f = jax.jit(oa.privacy.clipped_grad(ref.mlp_loss, clip))
   for i, n in enumerate(norms):
     one = f(params, jax.tree.map(lambda v, i=i: v[i : i + 1], batch))
     clipped = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(one)))
@@ -85,7 +85,7 @@ def test_clipped_grad_clips_half_and_reports_stats(problem):
 @pytest.mark.parametrize("split", ["strided", "contiguous"])
 def test_clipped_grad_in_microbatch_is_exact_for_every_split(problem, k, split):
   params, batch, clip = problem
-  f = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), k, reduction="sum", split=split)
+  f = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum", split=split)
   assert_close(jax.jit(f)(params, batch), reference_sum(params, batch, clip))
 
 
@@ -96,13 +96,13 @@ def test_clipped_grad_padded_examples_change_nothing(problem):
   # The padding rows hold garbage (huge values, NaN): masked, they contribute exactly 0.
   garbage = jax.tree.map(lambda v: np.where(mask[:, None], v, np.float32(1e30)), batch)
   garbage["x"][~mask, 0] = np.nan
-  cg = oa.clipped_grad(ref.mlp_loss, clip, mask_argnum=2, return_stats=True)
+  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=2, return_stats=True)
   f = jax.jit(oa.microbatch(cg, 4, batch_argnums=(1, 2), reduction=cg.reduction))
   grads, stats = f(params, garbage, mask)
   assert_close(grads, reference_sum(params, real, clip))
   assert float(stats.num_examples) == mask.sum()
   np.testing.assert_array_equal(np.asarray(stats.norms)[~mask], 0.0)
-  unmasked = oa.clipped_grad(ref.mlp_loss, clip)(params, real)
+  unmasked = oa.privacy.clipped_grad(ref.mlp_loss, clip)(params, real)
   assert_close(grads, unmasked)
 
 
@@ -111,13 +111,13 @@ def test_clipped_grad_nonfinite_example_contributes_zero(problem):
   bad = jax.tree.map(np.array, batch)
   bad["x"][3, 0] = np.inf
   keep = np.arange(N) != 3
-  out = oa.clipped_grad(ref.mlp_loss, clip)(params, bad)
+  out = oa.privacy.clipped_grad(ref.mlp_loss, clip)(params, bad)
   assert_close(out, reference_sum(params, batch, clip, mask=keep))
 
 
 def test_clipped_loss_gradient_is_clipped_sum(problem):
   params, batch, clip = problem
-  f = oa.clipped_loss(ref.mlp_loss, clip)
+  f = oa.privacy.clipped_loss(ref.mlp_loss, clip)
   value, grads = jax.jit(jax.value_and_grad(f))(params, batch)
   assert_close(grads, reference_sum(params, batch, clip))
   per_example = [
@@ -129,7 +129,7 @@ def test_clipped_loss_gradient_is_clipped_sum(problem):
 def test_clipped_grad_bf16_params_keep_dtype(problem):
   params, batch, clip = problem
   p16 = jax.tree.map(lambda v: jnp.asarray(v, jnp.bfloat16), params)
-  out = oa.clipped_grad(lambda p, b: ref.mlp_loss(p, b), clip)(p16, batch)
+  out = oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, b), clip)(p16, batch)
   assert {v.dtype for v in jax.tree.leaves(out)} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -138,7 +138,7 @@ def test_clipped_grad_bf16_params_keep_dtype(problem):
 
 
 @pytest.mark.parametrize("clip", [0.0, -1.0, np.inf, np.nan])
-@pytest.mark.parametrize("fn", [oa.clipped_grad, oa.clipped_loss])
+@pytest.mark.parametrize("fn", [oa.privacy.clipped_grad, oa.privacy.clipped_loss])
 def test_clipped_grad_rejects_bad_clip(fn, clip):
   with pytest.raises(ValueError, match=rf"{fn.__name__}: l2_clip must be a positive finite number"):
     fn(ref.mlp_loss, clip)
@@ -147,33 +147,33 @@ def test_clipped_grad_rejects_bad_clip(fn, clip):
 def test_clipped_grad_rejects_function_without_batch_argument(problem):
   params, batch, _ = problem
   with pytest.raises(ValueError, match=r"batch_argnums=\(\) is empty.*Per-example clipping"):
-    oa.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=())
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=())
   with pytest.raises(ValueError, match=r"batch_argnums=0 holds 0, the parameters"):
-    oa.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=0)
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=0)
   loss_of_params_only = lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(p))  # noqa: E731
   with pytest.raises(ValueError, match=r"batch_argnums=\(1,\), but the loss got 1 arguments"):
-    oa.clipped_grad(loss_of_params_only, 1.0)(params)
+    oa.privacy.clipped_grad(loss_of_params_only, 1.0)(params)
   with pytest.raises(ValueError, match=r"the batch arguments \(1,\) hold no arrays"):
-    oa.clipped_grad(lambda p, b: ref.mlp_loss(p, batch), 1.0)(params, {})
+    oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, batch), 1.0)(params, {})
 
 
 def test_clipped_grad_rejects_mismatched_batch_and_mask(problem):
   params, batch, _ = problem
   uneven = {"x": batch["x"], "y": batch["y"][:5]}
   with pytest.raises(ValueError, match=r"leading sizes differ .*\['x'\]: 32.*\['y'\]: 5"):
-    oa.clipped_grad(ref.mlp_loss, 1.0)(params, uneven)
-  f = oa.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=2)
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0)(params, uneven)
+  f = oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=2)
   with pytest.raises(ValueError, match=r"the mask must have shape \(32,\).*got bool\[5\]"):
     f(params, batch, np.ones(5, bool))
   with pytest.raises(ValueError, match=r"mask_argnum=1 is also in batch_argnums"):
-    oa.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=1)
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=1)
   with pytest.raises(ValueError, match=r"sensitivity: neighboring_relation must be one of"):
-    oa.clipped_grad(ref.mlp_loss, 1.0).sensitivity("swap")
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0).sensitivity("swap")
 
 
 def test_clipped_grad_planner_picks_microbatch_from_compiled_memory(problem):
   params, batch, clip = problem
-  clipped = oa.clipped_grad(ref.mlp_loss, clip)
+  clipped = oa.privacy.clipped_grad(ref.mlp_loss, clip)
 
   def peak(k):
     f = jax.jit(oa.microbatch(clipped, k, reduction="sum"))

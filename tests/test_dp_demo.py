@@ -16,7 +16,7 @@ def test_dp_demo_quick_accounts_updates_and_learns(capsys):
   assert out["updates"] == 40  # --quick: 40 noisy updates, each a Poisson batch
   assert out["micro_steps"] > 4 * out["updates"]  # a logical batch is many micro-steps
   q = 256 / 1438
-  assert out["epsilon"] == oa.dp_epsilon(40, q, out["sigma"], 1e-5)
+  assert out["epsilon"] == oa.privacy.dp_epsilon(40, q, out["sigma"], 1e-5)
   assert 2.9 < out["epsilon"] <= 3.0  # σ was calibrated for the target
   assert out["private_accuracy"] > 0.5 and out["plain_accuracy"] > 0.8  # chance is 0.1
   assert "ε = " in printed and "non-private: test accuracy" in printed

@@ -38,7 +38,7 @@ _SEEDS = iter(range(10_000, 1_000_000))
 
 def noise(sigma, clip, batch_size=N):
   """A dp_noise with a fresh key (each test its own stream)."""
-  return oa.dp_noise(sigma, clip, float(batch_size), jax.random.key(next(_SEEDS)))
+  return oa.privacy.dp_noise(sigma, clip, float(batch_size), jax.random.key(next(_SEEDS)))
 
 
 def micro_batches(batch, k):
@@ -54,7 +54,7 @@ def micro_batches(batch, k):
 def test_dp_noise_sigma_zero_in_one_step_matches_reference(problem, k):
   params, batch, clip, expected = problem
   tx = noise(0.0, clip)
-  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+  summed = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
 
   @jax.jit
   def step(params, state, batch):
@@ -62,41 +62,45 @@ def test_dp_noise_sigma_zero_in_one_step_matches_reference(problem, k):
 
   updates, state = step(params, tx.init(params), batch)
   assert_close(updates, expected)
-  assert int(oa.dp_updates(state)) == 1
+  assert int(oa.privacy.dp_updates(state)) == 1
 
 
 @pytest.mark.parametrize("k", [2, 8])
 def test_dp_noise_sigma_zero_across_steps_matches_reference(problem, k):
   params, batch, clip, expected = problem
   tx = oa.accumulate(noise(0.0, clip), k, reduction="sum")
-  grad = jax.jit(jax.grad(oa.clipped_loss(ref.mlp_loss, clip)))
+  grad = jax.jit(jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip)))
   state = tx.init(params)
   update = jax.jit(tx.update)
   for i, mb in enumerate(micro_batches(batch, k)):
     updates, state = update(grad(params, mb), state, params)
     assert bool(oa.has_updated(state)) == (i == k - 1)
   assert_close(updates, expected)
-  assert int(oa.dp_updates(state)) == 1
+  assert int(oa.privacy.dp_updates(state)) == 1
 
 
 def test_dp_noise_sigma_zero_train_step_matches_reference(problem):
   params, batch, clip, expected = problem
   inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
-  step = oa.TrainStep(oa.clipped_loss(ref.mlp_loss, clip), inner, every_k=4, reduction="sum")
+  step = oa.TrainStep(
+    oa.privacy.clipped_loss(ref.mlp_loss, clip), inner, every_k=4, reduction="sum"
+  )
   state, new = step.init(params), params
   for mb in micro_batches(batch, 4):
     new, state, _ = step(new, state, mb)
   moved = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - b, params, new)
   assert_close(moved, expected, rtol=1e-5)  # through p - (p - ĝ): float32 rounding of p
-  assert int(oa.dp_updates(state)) == 1
+  assert int(oa.privacy.dp_updates(state)) == 1
 
 
 def _shard_map_run(params, batches, mesh, clip, k, sigma=0.0, key_seed=None):
   """accumulate(dp_noise, k, axis_name) inside shard_map: the emitted update of one window,
   per device (stacked along the axis, so that devices can be compared)."""
   key = jax.random.key(next(_SEEDS) if key_seed is None else key_seed)
-  tx = oa.accumulate(oa.dp_noise(sigma, clip, float(N), key), k, reduction="sum", axis_name=AX)
-  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+  tx = oa.accumulate(
+    oa.privacy.dp_noise(sigma, clip, float(N), key), k, reduction="sum", axis_name=AX
+  )
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
 
   def micro(params, state, batch):
     updates, state = tx.update(grad(lax.pcast(params, AX, to="varying"), batch), state, params)
@@ -133,7 +137,9 @@ def test_dp_noise_in_step_microbatch_across_devices_matches_reference(problem):
   params, batch, clip, expected = problem
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
   tx = noise(0.0, clip)
-  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), 4, reduction="sum", axis_name=AX)
+  summed = oa.microbatch(
+    oa.privacy.clipped_grad(ref.mlp_loss, clip), 4, reduction="sum", axis_name=AX
+  )
 
   def step(params, state, batch):
     return tx.update(summed(params, batch), state, params)
@@ -148,7 +154,7 @@ def test_dp_noise_train_step_data_parallel_matches_reference(problem):
   params, batch, clip, expected = problem
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
   inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
-  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
   step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
   state, new = step.init(params), params
   for mb in micro_batches(batch, 2):
@@ -167,8 +173,10 @@ K = 16  # micro-steps per update
 
 def _noisy_runs(params, batch, clip, sigma):
   """Two updates (windows of K micro-steps) for each of SEEDS keys, vmapped over the keys."""
-  tx = oa.accumulate(oa.dp_noise(sigma, clip, float(N), jax.random.key(7)), K, reduction="sum")
-  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+  tx = oa.accumulate(
+    oa.privacy.dp_noise(sigma, clip, float(N), jax.random.key(7)), K, reduction="sum"
+  )
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
   stacked = jax.tree.map(lambda v: v.reshape(K, N // K, *v.shape[1:]), batch)
 
   def run(key_data):
@@ -243,7 +251,7 @@ def test_dp_noise_train_step_same_noise_on_every_device_shard(problem):
   params, batch, clip, _ = problem
   mesh = jax.make_mesh((8,), (AX,))
   inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
-  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
   step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
   state, new = step.init(params), params
   for mb in micro_batches(batch, 2):
@@ -304,7 +312,7 @@ def rng_ops(hlo_text):
 def _in_step_hlo(params, clip, k, sigma):
   batch = ref.regression_data(1, 4 * k)
   tx = noise(sigma, clip, 4 * k)
-  summed = oa.microbatch(oa.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+  summed = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
 
   def step(params, state, batch):
     return tx.update(summed(params, batch), state, params)
@@ -314,7 +322,7 @@ def _in_step_hlo(params, clip, k, sigma):
 
 def _accumulate_hlo(params, clip, k, sigma):
   tx = oa.accumulate(noise(sigma, clip, 4 * k), k, reduction="sum")
-  grad = jax.grad(oa.clipped_loss(ref.mlp_loss, clip))
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
   step = lambda p, s, b: tx.update(grad(p, b), s, p)  # noqa: E731
   return jax.jit(step).lower(params, tx.init(params), ref.regression_data(1, 4)).compile().as_text()
 
@@ -334,7 +342,7 @@ def test_dp_noise_draws_random_numbers_once_per_update_whatever_k(problem):
 def test_dp_noise_train_step_accumulating_program_draws_nothing(problem):
   params, batch, clip, _ = problem
   inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
-  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
   counts = {}
   for k in (2, 16):
     step = oa.TrainStep(loss, inner, every_k=k, reduction="sum", donate=False)
@@ -374,20 +382,20 @@ def test_dp_noise_keeps_gradient_dtypes():
 )
 def test_dp_noise_rejects_out_of_range_arguments(args, match):
   with pytest.raises(ValueError, match=rf"dp_noise: {match}"):
-    oa.dp_noise(*args, jax.random.key(next(_SEEDS)))
+    oa.privacy.dp_noise(*args, jax.random.key(next(_SEEDS)))
 
 
 def test_dp_noise_rejects_a_reused_key():
   key = jax.random.key(123_456)
-  first = oa.dp_noise(1.0, 1.0, 8.0, key)
+  first = oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
   with pytest.raises(ValueError, match=r"dp_noise: this key \(data \[0, 123456\]\) was already"):
-    oa.dp_noise(1.0, 1.0, 8.0, key)
+    oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
   with pytest.raises(ValueError, match=r"already given to another dp_noise"):
-    oa.dp_noise(2.0, 1.0, 8.0, jax.random.PRNGKey(123_456))  # the same key, legacy spelling
-  again = oa.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a rebuilt run, on purpose
+    oa.privacy.dp_noise(2.0, 1.0, 8.0, jax.random.PRNGKey(123_456))  # the same key, legacy spelling
+  again = oa.privacy.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a rebuilt run, on purpose
   assert again is not first
   del first, again
-  oa.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: fine
+  oa.privacy.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: fine
 
 
 def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
@@ -395,11 +403,11 @@ def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
 
   class Run:  # a training-step object in a reference cycle, as TrainStep and its closures are
     def __init__(self):
-      self.tx = oa.dp_noise(1.0, 1.0, 8.0, key)
+      self.tx = oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
       self.me = self
 
   Run()  # finished: unreachable, but not collected yet
-  oa.dp_noise(1.0, 1.0, 8.0, key)  # the collector runs before a key is called held
+  oa.privacy.dp_noise(1.0, 1.0, 8.0, key)  # the collector runs before a key is called held
 
 
 @pytest.mark.parametrize(
@@ -412,21 +420,21 @@ def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
 )
 def test_dp_noise_rejects_what_is_not_one_key(key, match):
   with pytest.raises((TypeError, ValueError), match=match):
-    oa.dp_noise(1.0, 1.0, 8.0, key)
+    oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
 
 
 def test_dp_updates_needs_exactly_one_noise_state():
   with pytest.raises(ValueError, match=r"dp_updates: the state must hold exactly one .*found 0"):
-    oa.dp_updates(optax.adam(1e-3).init(jnp.zeros(2)))
+    oa.privacy.dp_updates(optax.adam(1e-3).init(jnp.zeros(2)))
   two = optax.chain(noise(1.0, 1.0), noise(1.0, 1.0))
   with pytest.raises(ValueError, match=r"found 2"):
-    oa.dp_updates(two.init(jnp.zeros(2)))
+    oa.privacy.dp_updates(two.init(jnp.zeros(2)))
 
 
 def test_dp_noise_rides_on_the_one_all_reduce_per_update(problem):
   params, batch, clip, _ = problem
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
-  loss = oa.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
   counts = {}
   for k in (2, 16):
     inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))

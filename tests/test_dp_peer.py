@@ -23,7 +23,7 @@ def problem():
 @pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")
 def test_clipped_grad_peer_jax_privacy_same_sum_and_sensitivity(problem):
   params, batch, clip = problem
-  ours = oa.clipped_grad(ref.mlp_loss, clip)
+  ours = oa.privacy.clipped_grad(ref.mlp_loss, clip)
   theirs = jax_privacy.clipped_grad(
     ref.mlp_loss, argnums=0, l2_clip_norm=clip, batch_argnums=1, keep_batch_dim=True
   )
@@ -33,5 +33,5 @@ def test_clipped_grad_peer_jax_privacy_same_sum_and_sensitivity(problem):
     assert ours.sensitivity(relation) == theirs.sensitivity(relation)
   # Padding: their `is_padding_example` against our mask.
   mask = np.arange(N) % 4 != 1
-  masked = oa.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)(params, batch, mask)
+  masked = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)(params, batch, mask)
   assert_close(masked, theirs(params, batch, is_padding_example=jnp.asarray(~mask)))

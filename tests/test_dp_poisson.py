@@ -18,20 +18,20 @@ N, Q, B = 200, 0.15, 8  # data set, sampling rate, micro-batch
 
 
 def test_poisson_sampler_is_reproducible_and_resumable():
-  a = oa.PoissonSampler(N, Q, B, seed=3)
+  a = oa.privacy.PoissonSampler(N, Q, B, seed=3)
   first = [next(a) for _ in range(6)]
-  again = oa.PoissonSampler(N, Q, B, seed=3)
+  again = oa.privacy.PoissonSampler(N, Q, B, seed=3)
   assert all(np.array_equal(x.indices, y.indices) for x, y in zip(first, again, strict=False))
-  resumed = oa.PoissonSampler(N, Q, B, seed=3, start=4)
+  resumed = oa.privacy.PoissonSampler(N, Q, B, seed=3, start=4)
   assert [b.step for b in (next(resumed), next(resumed))] == [4, 5]
   assert np.array_equal(resumed.batch(4).mask, first[4].mask)
   assert np.array_equal(a.batch(2).indices, first[2].indices)  # batch t: a function of t only
-  other = oa.PoissonSampler(N, Q, B, seed=4).batch(0)
+  other = oa.privacy.PoissonSampler(N, Q, B, seed=4).batch(0)
   assert not np.array_equal(other.indices, first[0].indices)
 
 
 def test_poisson_sampler_pads_to_whole_microbatches():
-  s = oa.PoissonSampler(N, Q, B, seed=0)
+  s = oa.privacy.PoissonSampler(N, Q, B, seed=0)
   for t in range(50):
     b = s.batch(t)
     assert b.indices.shape == b.mask.shape == (b.num_microbatches * B,)
@@ -44,7 +44,7 @@ def test_poisson_sampler_pads_to_whole_microbatches():
 @pytest.mark.parametrize("split", ["contiguous", "strided"])
 def test_poisson_sampler_fixed_shape_keeps_real_rows_in_first_microbatches(split):
   m = 8
-  s = oa.PoissonSampler(N, Q, B, seed=1, max_microbatches=m, split=split)
+  s = oa.privacy.PoissonSampler(N, Q, B, seed=1, max_microbatches=m, split=split)
   for t in range(30):
     b = s.batch(t)
     assert b.indices.shape == (m * B,)
@@ -55,7 +55,7 @@ def test_poisson_sampler_fixed_shape_keeps_real_rows_in_first_microbatches(split
 
 
 def test_poisson_sampler_samples_at_rate_q():
-  s = oa.PoissonSampler(N, Q, B, seed=5)
+  s = oa.privacy.PoissonSampler(N, Q, B, seed=5)
   steps = 2000
   counts = np.zeros(N)
   sizes = []
@@ -73,13 +73,13 @@ def test_poisson_sampler_samples_at_rate_q():
 
 
 def test_poisson_sampler_empty_draw_still_gives_one_microbatch():
-  s = oa.PoissonSampler(10, 0.01, 4, seed=0)
+  s = oa.privacy.PoissonSampler(10, 0.01, 4, seed=0)
   empty = next(b for b in map(s.batch, range(1000)) if b.num_real == 0)
   assert empty.num_microbatches == 1 and empty.indices.shape == (4,) and not empty.mask.any()
 
 
 def test_poisson_sampler_refuses_to_truncate():
-  s = oa.PoissonSampler(N, 0.5, B, seed=0, max_microbatches=2)
+  s = oa.privacy.PoissonSampler(N, 0.5, B, seed=0, max_microbatches=2)
   with pytest.raises(ValueError, match=r"drew \d+ examples, more than max_microbatches=2 .*"):
     s.batch(0)
 
@@ -100,7 +100,7 @@ def test_poisson_sampler_refuses_to_truncate():
 def test_poisson_sampler_rejects_bad_arguments(kwargs, match):
   args = dict(num_examples=N, sampling_rate=Q, microbatch_size=B, seed=0) | kwargs
   with pytest.raises(ValueError, match=rf"PoissonSampler: {match}"):
-    oa.PoissonSampler(**args)
+    oa.privacy.PoissonSampler(**args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,9 +122,11 @@ def _expected(params, data, clip, batch):
 def test_dp_poisson_in_one_step_fixed_shape_matches_reference(problem, split):
   params, data, clip = problem
   m = 10
-  sampler = oa.PoissonSampler(N, Q, B, seed=7, max_microbatches=m, split=split)
-  tx = oa.dp_noise(0.0, clip, sampler.expected_batch_size, jax.random.key(77_000 + len(split)))
-  cg = oa.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)
+  sampler = oa.privacy.PoissonSampler(N, Q, B, seed=7, max_microbatches=m, split=split)
+  tx = oa.privacy.dp_noise(
+    0.0, clip, sampler.expected_batch_size, jax.random.key(77_000 + len(split))
+  )
+  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)
 
   traces = []
 
@@ -143,14 +145,14 @@ def test_dp_poisson_in_one_step_fixed_shape_matches_reference(problem, split):
     updates, state = step(params, state, rows, b.mask, jnp.int32(b.num_microbatches))
     assert_close(updates, _expected(params, data, clip, b))
   assert len(traces) == 1
-  assert int(oa.dp_updates(state)) == 4
+  assert int(oa.privacy.dp_updates(state)) == 4
 
 
 def test_dp_poisson_across_steps_host_window_matches_reference(problem):
   params, data, clip = problem
-  sampler = oa.PoissonSampler(N, Q, B, seed=8)
-  inner = optax.chain(oa.dp_noise(0.0, clip, Q * N, jax.random.key(88_001)), optax.sgd(1.0))
-  loss = oa.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
+  sampler = oa.privacy.PoissonSampler(N, Q, B, seed=8)
+  inner = optax.chain(oa.privacy.dp_noise(0.0, clip, Q * N, jax.random.key(88_001)), optax.sgd(1.0))
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
   # every_k: a cap above any window; the host closes each logical batch with force_emit.
   step = oa.TrainStep(loss, inner, every_k=1000, reduction="sum", donate=False)
   state = step.init(params)
@@ -164,15 +166,15 @@ def test_dp_poisson_across_steps_host_window_matches_reference(problem):
       params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
     moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
     assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)  # through p - (p - ĝ)
-  assert int(oa.dp_updates(state)) == 3
+  assert int(oa.privacy.dp_updates(state)) == 3
 
 
 def test_dp_poisson_two_devices_train_step_matches_reference(problem):
   params, data, clip = problem
   mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
-  sampler = oa.PoissonSampler(N, Q, B, seed=9)
-  inner = optax.chain(oa.dp_noise(0.0, clip, Q * N, jax.random.key(99_001)), optax.sgd(1.0))
-  loss = oa.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
+  sampler = oa.privacy.PoissonSampler(N, Q, B, seed=9)
+  inner = optax.chain(oa.privacy.dp_noise(0.0, clip, Q * N, jax.random.key(99_001)), optax.sgd(1.0))
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
   step = oa.TrainStep(
     loss, inner, every_k=1000, reduction="sum", donate=False, axis_name="data", mesh=mesh
   )

@@ -53,12 +53,20 @@ class ApiCoverageError(SphinxError):
   category = "API reference incomplete"
 
 
+# Public subpackages: their names are listed as ``privacy.clipped_grad`` on the API page.
+SUBPACKAGES = ("privacy",)
+
+
 def _public_names() -> list[str]:
-  return list(importlib.import_module(PACKAGE).__all__)
+  names = list(importlib.import_module(PACKAGE).__all__)
+  for sub in SUBPACKAGES:
+    names += [f"{sub}.{n}" for n in importlib.import_module(f"{PACKAGE}.{sub}").__all__]
+  return names
 
 
 def _entry(name: str) -> str:
-  obj = getattr(importlib.import_module(PACKAGE), name)
+  module, _, attr = f"{PACKAGE}.{name}".rpartition(".")
+  obj = getattr(importlib.import_module(module), attr)
   if inspect.isclass(obj):
     return f".. autoclass:: {PACKAGE}.{name}\n   :members:\n"
   if callable(obj):

@@ -117,7 +117,7 @@ def dp_epsilon(
 
   >>> import pytest, optax_accum
   >>> _ = pytest.importorskip("dp_accounting")  # the dp extra; without it, a skip
-  >>> eps = optax_accum.dp_epsilon(1000, 0.01, 1.1, 1e-5)
+  >>> eps = optax_accum.privacy.dp_epsilon(1000, 0.01, 1.1, 1e-5)
   >>> 1.0 < eps < 3.0
   True
   """
@@ -164,8 +164,8 @@ def dp_noise_multiplier(
 
   >>> import pytest, optax_accum
   >>> _ = pytest.importorskip("dp_accounting")  # the dp extra; without it, a skip
-  >>> sigma = optax_accum.dp_noise_multiplier(2.0, 1000, 0.01, 1e-5)
-  >>> optax_accum.dp_epsilon(1000, 0.01, sigma, 1e-5) <= 2.0
+  >>> sigma = optax_accum.privacy.dp_noise_multiplier(2.0, 1000, 0.01, 1e-5)
+  >>> optax_accum.privacy.dp_epsilon(1000, 0.01, sigma, 1e-5) <= 2.0
   True
   """
   n, q, d = _check("dp_noise_multiplier", num_updates, sampling_rate, delta)

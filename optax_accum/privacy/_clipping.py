@@ -5,7 +5,7 @@ keeps its leading batch axis, of size 1), clips each gradient to global L2 norm 
 them in float32: ``Σᵢ clip_C(∇ℓᵢ)``. Its peak memory is one micro-batch of per-example
 gradients, so it composes with `microbatch(..., reduction="sum")` (in one step) and, as the
 gradient of `clipped_loss`, with `accumulate`/`TrainStep` (across steps): the sum over the whole
-logical batch is exact whichever way it is split. The noise is `_privacy.dp_noise`'s business.
+logical batch is exact whichever way it is split. The noise is `_noise.dp_noise`'s business.
 
 What is known about the value travels with it (as jax_privacy's ``BoundedSensitivityCallable``):
 the returned `ClippedGrad` carries its clip norm, its L2 sensitivity and the `microbatch`
@@ -180,8 +180,9 @@ class ClippedGrad:
     Raises:
       ValueError: for another relation.
 
-    >>> import jax.numpy as jnp, optax_accum
-    >>> optax_accum.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5).sensitivity("replace_one")
+    >>> import jax.numpy as jnp
+    >>> from optax_accum import privacy
+    >>> privacy.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5).sensitivity("replace_one")
     1.0
     """
     name = getattr(neighboring_relation, "name", neighboring_relation)
@@ -240,7 +241,7 @@ def clipped_grad(
 
   >>> import jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)  # per-example gradient: the example x itself
-  >>> g = optax_accum.clipped_grad(loss, 1.0)
+  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0)
   >>> g(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))  # norms 5 → clipped to 1, and 0.5
   Array([0.90000004, 1.2       ], dtype=float32)
   >>> g.sensitivity()
@@ -287,7 +288,7 @@ def clipped_loss(
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)
-  >>> f = optax_accum.clipped_loss(loss, 1.0)
+  >>> f = optax_accum.privacy.clipped_loss(loss, 1.0)
   >>> jax.grad(f)(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
   Array([0.90000004, 1.2       ], dtype=float32)
   """

@@ -135,9 +135,9 @@ def dp_noise(
       a single PRNG key, or a key already held by another live `dp_noise`.
 
   >>> import jax, jax.numpy as jnp, optax_accum
-  >>> tx = optax_accum.dp_noise(0.0, 1.0, 4.0, jax.random.key(0))
+  >>> tx = optax_accum.privacy.dp_noise(0.0, 1.0, 4.0, jax.random.key(0))
   >>> updates, state = tx.update(jnp.array([2.0, 4.0]), tx.init(jnp.zeros(2)))
-  >>> updates, int(optax_accum.dp_updates(state))
+  >>> updates, int(optax_accum.privacy.dp_updates(state))
   (Array([0.5, 1. ], dtype=float32), 1)
   """
   sigma = _check_number(noise_multiplier, "noise_multiplier", positive=False)
@@ -181,12 +181,12 @@ def dp_updates(state: Any) -> jax.Array:
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(
-  ...   optax.chain(optax_accum.dp_noise(0.0, 1.0, 8.0, jax.random.key(1)), optax.sgd(0.1)),
+  ...   optax.chain(optax_accum.privacy.dp_noise(0.0, 1.0, 8.0, jax.random.key(1)), optax.sgd(0.1)),
   ...   4, reduction="sum")
   >>> state = tx.init(jnp.zeros(2))
   >>> for _ in range(8):
   ...   _, state = tx.update(jnp.ones(2), state)
-  >>> int(optax_accum.dp_updates(state))  # 8 micro-steps, 2 updates
+  >>> int(optax_accum.privacy.dp_updates(state))  # 8 micro-steps, 2 updates
   2
   """
   found = [

@@ -79,7 +79,7 @@ class PoissonSampler:
       sampling) a draw larger than `max_microbatches` micro-batches hold.
 
   >>> import optax_accum
-  >>> s = optax_accum.PoissonSampler(1000, 0.1, 32, seed=0, max_microbatches=6)
+  >>> s = optax_accum.privacy.PoissonSampler(1000, 0.1, 32, seed=0, max_microbatches=6)
   >>> b = s.batch(3)
   >>> b.indices.shape, int(b.mask.sum()) == b.num_real, (s.batch(3).indices == b.indices).all()
   ((192,), True, np.True_)

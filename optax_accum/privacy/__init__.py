@@ -1,0 +1,27 @@
+"""optax_accum.privacy: differentially private training on top of the accumulation core.
+
+DP-SGD with exact virtual batches: per-example clipping (``clipped_grad``, ``clipped_loss``),
+Gaussian noise drawn once per logical batch (``dp_noise``), the accountant (``dp_epsilon``,
+``dp_noise_multiplier``) and Poisson sampling (``PoissonSampler``). The accumulation core never
+imports this package; its front ends recognise a private chain and check their options against
+the privacy contract.
+"""
+
+from optax_accum.privacy._accounting import dp_epsilon, dp_noise_multiplier
+from optax_accum.privacy._clipping import ClippedGrad, ClipStats, clipped_grad, clipped_loss
+from optax_accum.privacy._noise import DPNoiseState, dp_noise, dp_updates
+from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
+
+__all__ = [
+  "ClipStats",
+  "ClippedGrad",
+  "DPNoiseState",
+  "PoissonBatch",
+  "PoissonSampler",
+  "clipped_grad",
+  "clipped_loss",
+  "dp_epsilon",
+  "dp_noise",
+  "dp_noise_multiplier",
+  "dp_updates",
+]
