@@ -111,6 +111,8 @@ class Config(NamedTuple):
   skip_nonfinite: bool
   axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
   noise: bool  # keep the noise-scale statistics (`_noise`) in the state
+  front: str = "accumulate"  # the front end the messages name ("TrainStep" for its own)
+  weighted: bool = False  # TrainStep's weight_fn weighs each micro-batch
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -158,6 +160,34 @@ def make_config(
     axis=_collectives.resolve(axis_name),
     noise=noise_scale or follows,  # following the noise scale needs its statistics
   )
+
+
+def check_private(cfg: Config, caller: str, params: Any = None, inner_state: Any = None) -> None:
+  """The privacy contract of a private path (`_checks.PRIVATE_REFUSED`): raises for the first
+  option that would change the sensitivity, the noise or the sampling. Called where the path
+  is known to be private: `init` (a `DPNoiseState` in the inner state), `TrainStep`'s
+  constructor (a clipped loss). `params` (at ``init``): the accumulator's dtypes made for them
+  (`accum_dtype` promoted with each parameter's) must be at least float32."""
+  if cfg.reduction == "mean":
+    _checks.refuse_private("reduction_mean", caller)
+  if isinstance(cfg.every_k, _noise.FollowNoiseScale):
+    _checks.refuse_private("follow_noise_scale", caller)
+  if inner_state is not None and _gain.holds_gain(inner_state):
+    _checks.refuse_private("scale_by_gain", caller)
+  if cfg.noise:
+    _checks.refuse_private("noise_scale", caller)
+  if cfg.weighted:
+    _checks.refuse_private("weight_fn", caller)
+  dtypes = [] if params is None else _made_dtypes(cfg, _gradient_like(params))
+  narrow = [d for d in dtypes if _checks.narrow_float(d)]
+  if narrow:
+    _checks.refuse_private("accum_dtype", caller, dtype=jnp.dtype(narrow[0]).name)
+
+
+def is_private(state: AccumulateState) -> bool:
+  """Whether this `accumulate` is on a private path: its inner state holds a `DPNoiseState`
+  (static: the state's structure)."""
+  return _checks.holds_private_state(state.inner_state)
 
 
 def _check_window(cfg: Config, state: AccumulateState) -> None:
@@ -263,6 +293,8 @@ def check_update(
   elif params is not None:
     _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
   _check_dtypes(cfg, grads, state.acc_grads, params)
+  if weight is not None and is_private(state):
+    _checks.refuse_private("weight", caller)
   weight = _checks.weight(weight, caller)
   _checks.flag(force_emit, "force_emit", caller)
   if emit is not None and not isinstance(emit, bool):
@@ -589,6 +621,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
   local = window.noise
+  guard = guard and not _checks.holds_private_state(window.inner_state)  # noise always added
   window = _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
@@ -638,6 +671,9 @@ def emit_dynamic(
   total > 0`` decides everything; with one, the total is global only after the emitting
   step's all-reduce, so `close_window` guards the empty window inside the emitting branch.
   """
+  # On a private path the noisy update always happens and is counted, whatever the window
+  # holds: the accountant counts every window (`_checks.holds_private_state`).
+  guard = guard and not _checks.holds_private_state(window.inner_state)
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
@@ -741,6 +777,8 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   if not cfg.unaccumulated:
     acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
   inner_state = _inner_init(cfg, params)
+  if _checks.holds_private_state(inner_state):
+    check_private(cfg, f"{cfg.front}.init", params, inner_state)
   if _gain.holds_gain(inner_state) and not cfg.noise:
     raise ValueError(GAIN_WITHOUT_NOISE)
   # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
