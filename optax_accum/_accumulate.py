@@ -936,12 +936,18 @@ def accumulate(
       inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
       gain. Default False: none of this.
 
+  A private inner optimizer (one holding ``privacy.dp_noise``'s state) is held to the
+  privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,
+  `noise_scale`, `FollowNoiseScale`, `scale_by_gain` and an accumulator narrower than float32
+  raise, and a ``weight=`` raises at the first `update`; every window then makes its noisy
+  update, even one whose micro-batches were all dropped (`dp_updates` counts it).
+
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
 
   Raises:
     TypeError, ValueError: for a bad `every_k`, `reduction` or `accum_dtype` (at
-      construction); at trace time, for a bad host `weight` or `force_emit`, gradients of
+      construction); at `init`, for an option a private inner optimizer refuses; at trace time, for a bad host `weight` or `force_emit`, gradients of
       another tree or shape than the state, a state made with every_k=1 for every_k > 1 (or the
       reverse) or with another `accum_dtype` (ValueError naming both dtypes), ``emit=False``
       with every_k=1, or an `axis_name` that nothing binds (the error names the ways to bind

@@ -483,7 +483,19 @@ def test_every_row_of_the_contract_has_its_test():
   assert {row.front for row in CONTRACT} >= {"data_parallel", "layout"}
 
 
-@pytest.mark.parametrize("row", [r for r in CONTRACT if r.verdict != "refused"], ids=lambda r: r.id)
+# Rows measured on 8 devices (a few compilations each): slow tier, still run by CI.
+MULTI_DEVICE = ("axis_name", "data_parallel", "layout:shard_map", "layout:plain jit")
+
+
+@pytest.mark.parametrize(
+  "row",
+  [
+    pytest.param(r, marks=[pytest.mark.slow] if any(m in r.id for m in MULTI_DEVICE) else [])
+    for r in CONTRACT
+    if r.verdict != "refused"
+  ],
+  ids=lambda r: r.id,
+)
 def test_kept_row_moves_the_update_by_at_most_c_over_b(row):
   measured = SENSITIVITY[row.id]()
   assert measured <= 1 + 1e-5, f"{row.id}: one example moved the update by {measured:.4f}·C/B"
