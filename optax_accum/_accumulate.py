@@ -858,22 +858,73 @@ def protocol_updates(applied: jax.Array, out: Any, types: Any) -> Any:
 # The transformation.
 
 
+# optax.MultiSteps' methods and attributes, and what replaces each (issue 34, item 9).
+MULTISTEPS_ATTRIBUTES = {
+  "has_updated": (
+    "use the function optax_accum.has_updated(state); it also finds the state inside an "
+    "optax.chain state"
+  ),
+  "gradient_transformation": (
+    "not needed: accumulate already returns an optax.GradientTransformationExtraArgs; use it "
+    "directly in optax.chain, a Flax TrainState or an nnx.Optimizer"
+  ),
+  "inner_opt": "keep your own reference to the inner optimizer you passed to accumulate",
+}
+
+# optax.MultiSteps' keyword arguments, and what replaces each (`{value}`: the value given).
+MULTISTEPS_KEYWORDS = {
+  "every_k_schedule": "write every_k={value!r} (an int >= 1 or a callable gradient_step -> k)",
+  "use_grad_mean": "write reduction={reduction!r} (use_grad_mean={value!r})",
+  "should_skip_update_fn": (
+    "optax.skip_not_finite is the default here (skip_nonfinite=True); for another rule, compute "
+    "it yourself and pass update(..., weight=0.0) to leave a micro-batch out"
+  ),
+}
+
+
+class Accumulate(optax.GradientTransformationExtraArgs):
+  """`accumulate`'s transformation: an `optax.GradientTransformationExtraArgs` whose
+  `optax.MultiSteps` methods (``has_updated``, ``gradient_transformation``, ``inner_opt``)
+  raise an AttributeError naming what replaces them."""
+
+  __slots__ = ()
+
+  def __getattr__(self, name: str) -> Any:
+    if name in MULTISTEPS_ATTRIBUTES:
+      raise AttributeError(
+        f"accumulate: .{name} is optax.MultiSteps'; {MULTISTEPS_ATTRIBUTES[name]} "
+        "(see the migration guide)."
+      )
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
 def transformation(cfg: Config) -> optax.GradientTransformationExtraArgs:
   """The optax transformation of a `Config`: `init` and `update` above."""
-  return optax.GradientTransformationExtraArgs(
-    functools.partial(init, cfg), functools.partial(update, cfg)
-  )
+  return Accumulate(functools.partial(init, cfg), functools.partial(update, cfg))
+
+
+def _refuse_multisteps(every_k: Any, unknown: dict[str, Any]) -> None:
+  """optax.MultiSteps' keywords get an error naming their replacement; others Python's."""
+  for name, value in unknown.items():
+    if name in MULTISTEPS_KEYWORDS:
+      reduction = "mean" if value else "sum"
+      fix = MULTISTEPS_KEYWORDS[name].format(value=value, reduction=reduction)
+      raise TypeError(f"accumulate: {name}= is optax.MultiSteps' keyword; {fix}.")
+    raise TypeError(f"accumulate() got an unexpected keyword argument {name!r}")
+  if every_k is None:
+    raise TypeError("accumulate() missing 1 required argument: 'every_k'")
 
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k: EveryK,
+  every_k: EveryK = None,  # type: ignore[assignment]  # required: None is refused below
   *,
   reduction: Reduction = "mean",
   accum_dtype: DType | None = jnp.float32,
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
   noise_scale: bool = False,
+  **multisteps: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -947,11 +998,15 @@ def accumulate(
 
   Raises:
     TypeError, ValueError: for a bad `every_k`, `reduction` or `accum_dtype` (at
-      construction); at `init`, for an option a private inner optimizer refuses; at trace time, for a bad host `weight` or `force_emit`, gradients of
-      another tree or shape than the state, a state made with every_k=1 for every_k > 1 (or the
+      construction); at `init`, for an option a private inner optimizer refuses; at trace
+      time, for a bad host `weight` or `force_emit`, gradients of another tree or shape than
+      the state, a state made with every_k=1 for every_k > 1 (or the
       reverse) or with another `accum_dtype` (ValueError naming both dtypes), ``emit=False``
       with every_k=1, or an `axis_name` that nothing binds (the error names the ways to bind
       it: `jax.shard_map`, `optax_accum.data_parallel`, ``TrainStep(axis_name=...)``).
+      TypeError naming the replacement for `optax.MultiSteps`' keywords (``every_k_schedule=``,
+      ``use_grad_mean=``, ``should_skip_update_fn=``); AttributeError naming it for its methods
+      (``tx.has_updated``, ``tx.gradient_transformation()``, ``tx.inner_opt``).
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
@@ -964,6 +1019,7 @@ def accumulate(
   >>> u  # -(1*1 + 3*4) / (1 + 3)
   Array([-3.25, -3.25], dtype=float32)
   """
+  _refuse_multisteps(every_k, multisteps)
   return transformation(
     make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
   )
