@@ -265,18 +265,31 @@ def _declares_private(x: Any) -> bool:
   )
 
 
-def private_fun(fun: Any) -> bool:
-  """Whether `fun` is a private (clipped) function: one that declares itself private or is
-  defined in `optax_accum.privacy`, or wraps one (``__wrapped__``, `functools.partial`)."""
+def _unwrapped(fun: Any):
+  """`fun`, then what it wraps (``__wrapped__``, `functools.partial`), outermost first."""
   for _ in range(32):  # a wrapper chain, not a cycle
     if fun is None:
-      return False
-    if _declares_private(fun):
-      return True
+      return
+    yield fun
     fun = getattr(fun, "__wrapped__", None) or (
       fun.func if isinstance(fun, functools.partial) else None
     )
-  return False
+
+
+def private_fun(fun: Any) -> bool:
+  """Whether `fun` is a private (clipped) function: one that declares itself private or is
+  defined in `optax_accum.privacy`, or wraps one (``__wrapped__``, `functools.partial`)."""
+  return any(_declares_private(f) for f in _unwrapped(fun))
+
+
+def private_reduction(fun: Any) -> Any:
+  """The `microbatch` reduction a private function declares (``ClippedGrad.reduction``, found
+  through its wrappers), else "sum" (a clipped sum)."""
+  for f in _unwrapped(fun):
+    reduction = getattr(f, "reduction", None)
+    if reduction is not None and not callable(reduction):
+      return reduction
+  return "sum"
 
 
 def _private_node(x: Any) -> bool:

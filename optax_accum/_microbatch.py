@@ -380,7 +380,7 @@ def _private_options(
   ``skip_nonfinite=False``): a non-finite per-example gradient already counts 0 in clipping,
   and dropping a whole micro-batch for a non-finite loss value would remove up to ``b·C``."""
   if reduction is None:
-    reduction = getattr(fun, "reduction", "sum")
+    reduction = _checks.private_reduction(fun)
   if any(r == "mean" for r in jax.tree.leaves(_outputs.check_reduction(reduction))):
     _checks.refuse_private("reduction_mean", "microbatch")
   if weight_fn is not None:
