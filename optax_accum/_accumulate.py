@@ -111,6 +111,8 @@ class Config(NamedTuple):
   skip_nonfinite: bool
   axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
   noise: bool  # keep the noise-scale statistics (`_noise`) in the state
+  front: str = "accumulate"  # the front end the messages name ("TrainStep" for its own)
+  weighted: bool = False  # TrainStep's weight_fn weighs each micro-batch
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -158,6 +160,34 @@ def make_config(
     axis=_collectives.resolve(axis_name),
     noise=noise_scale or follows,  # following the noise scale needs its statistics
   )
+
+
+def check_private(cfg: Config, caller: str, params: Any = None, inner_state: Any = None) -> None:
+  """The privacy contract of a private path (`_checks.PRIVATE_REFUSED`): raises for the first
+  option that would change the sensitivity, the noise or the sampling. Called where the path
+  is known to be private: `init` (a `DPNoiseState` in the inner state), `TrainStep`'s
+  constructor (a clipped loss). `params` (at ``init``): the accumulator's dtypes made for them
+  (`accum_dtype` promoted with each parameter's) must be at least float32."""
+  if cfg.reduction == "mean":
+    _checks.refuse_private("reduction_mean", caller)
+  if isinstance(cfg.every_k, _noise.FollowNoiseScale):
+    _checks.refuse_private("follow_noise_scale", caller)
+  if inner_state is not None and _gain.holds_gain(inner_state):
+    _checks.refuse_private("scale_by_gain", caller)
+  if cfg.noise:
+    _checks.refuse_private("noise_scale", caller)
+  if cfg.weighted:
+    _checks.refuse_private("weight_fn", caller)
+  dtypes = [] if params is None else _made_dtypes(cfg, _gradient_like(params))
+  narrow = [d for d in dtypes if _checks.narrow_float(d)]
+  if narrow:
+    _checks.refuse_private("accum_dtype", caller, dtype=jnp.dtype(narrow[0]).name)
+
+
+def is_private(state: AccumulateState) -> bool:
+  """Whether this `accumulate` is on a private path: its inner state holds a `DPNoiseState`
+  (static: the state's structure)."""
+  return _checks.holds_private_state(state.inner_state)
 
 
 def _check_window(cfg: Config, state: AccumulateState) -> None:
@@ -263,6 +293,8 @@ def check_update(
   elif params is not None:
     _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
   _check_dtypes(cfg, grads, state.acc_grads, params)
+  if weight is not None and is_private(state):
+    _checks.refuse_private("weight", caller)
   weight = _checks.weight(weight, caller)
   _checks.flag(force_emit, "force_emit", caller)
   if emit is not None and not isinstance(emit, bool):
@@ -589,6 +621,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
   """
   local = window.noise
+  guard = guard and not _checks.holds_private_state(window.inner_state)  # noise always added
   window = _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
@@ -638,6 +671,9 @@ def emit_dynamic(
   total > 0`` decides everything; with one, the total is global only after the emitting
   step's all-reduce, so `close_window` guards the empty window inside the emitting branch.
   """
+  # On a private path the noisy update always happens and is counted, whatever the window
+  # holds: the accountant counts every window (`_checks.holds_private_state`).
+  guard = guard and not _checks.holds_private_state(window.inner_state)
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
@@ -741,6 +777,8 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   if not cfg.unaccumulated:
     acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
   inner_state = _inner_init(cfg, params)
+  if _checks.holds_private_state(inner_state):
+    check_private(cfg, f"{cfg.front}.init", params, inner_state)
   if _gain.holds_gain(inner_state) and not cfg.noise:
     raise ValueError(GAIN_WITHOUT_NOISE)
   # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
@@ -820,22 +858,73 @@ def protocol_updates(applied: jax.Array, out: Any, types: Any) -> Any:
 # The transformation.
 
 
+# optax.MultiSteps' methods and attributes, and what replaces each (issue 34, item 9).
+MULTISTEPS_ATTRIBUTES = {
+  "has_updated": (
+    "use the function optax_accum.has_updated(state); it also finds the state inside an "
+    "optax.chain state"
+  ),
+  "gradient_transformation": (
+    "not needed: accumulate already returns an optax.GradientTransformationExtraArgs; use it "
+    "directly in optax.chain, a Flax TrainState or an nnx.Optimizer"
+  ),
+  "inner_opt": "keep your own reference to the inner optimizer you passed to accumulate",
+}
+
+# optax.MultiSteps' keyword arguments, and what replaces each (`{value}`: the value given).
+MULTISTEPS_KEYWORDS = {
+  "every_k_schedule": "write every_k={value!r} (an int >= 1 or a callable gradient_step -> k)",
+  "use_grad_mean": "write reduction={reduction!r} (use_grad_mean={value!r})",
+  "should_skip_update_fn": (
+    "optax.skip_not_finite is the default here (skip_nonfinite=True); for another rule, compute "
+    "it yourself and pass update(..., weight=0.0) to leave a micro-batch out"
+  ),
+}
+
+
+class Accumulate(optax.GradientTransformationExtraArgs):
+  """`accumulate`'s transformation: an `optax.GradientTransformationExtraArgs` whose
+  `optax.MultiSteps` methods (``has_updated``, ``gradient_transformation``, ``inner_opt``)
+  raise an AttributeError naming what replaces them."""
+
+  __slots__ = ()
+
+  def __getattr__(self, name: str) -> Any:
+    if name in MULTISTEPS_ATTRIBUTES:
+      raise AttributeError(
+        f"accumulate: .{name} is optax.MultiSteps'; {MULTISTEPS_ATTRIBUTES[name]} "
+        "(see the migration guide)."
+      )
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
 def transformation(cfg: Config) -> optax.GradientTransformationExtraArgs:
   """The optax transformation of a `Config`: `init` and `update` above."""
-  return optax.GradientTransformationExtraArgs(
-    functools.partial(init, cfg), functools.partial(update, cfg)
-  )
+  return Accumulate(functools.partial(init, cfg), functools.partial(update, cfg))
+
+
+def _refuse_multisteps(every_k: Any, unknown: dict[str, Any]) -> None:
+  """optax.MultiSteps' keywords get an error naming their replacement; others Python's."""
+  for name, value in unknown.items():
+    if name in MULTISTEPS_KEYWORDS:
+      reduction = "mean" if value else "sum"
+      fix = MULTISTEPS_KEYWORDS[name].format(value=value, reduction=reduction)
+      raise TypeError(f"accumulate: {name}= is optax.MultiSteps' keyword; {fix}.")
+    raise TypeError(f"accumulate() got an unexpected keyword argument {name!r}")
+  if every_k is None:
+    raise TypeError("accumulate() missing 1 required argument: 'every_k'")
 
 
 def accumulate(
   inner: optax.GradientTransformation,
-  every_k: EveryK,
+  every_k: EveryK = None,  # type: ignore[assignment]  # required: None is refused below
   *,
   reduction: Reduction = "mean",
   accum_dtype: DType | None = jnp.float32,
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
   noise_scale: bool = False,
+  **multisteps: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -898,16 +987,26 @@ def accumulate(
       inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
       gain. Default False: none of this.
 
+  A private inner optimizer (one holding ``privacy.dp_noise``'s state) is held to the
+  privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,
+  `noise_scale`, `FollowNoiseScale`, `scale_by_gain` and an accumulator narrower than float32
+  raise, and a ``weight=`` raises at the first `update`; every window then makes its noisy
+  update, even one whose micro-batches were all dropped (`dp_updates` counts it).
+
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
 
   Raises:
     TypeError, ValueError: for a bad `every_k`, `reduction` or `accum_dtype` (at
-      construction); at trace time, for a bad host `weight` or `force_emit`, gradients of
-      another tree or shape than the state, a state made with every_k=1 for every_k > 1 (or the
+      construction); at `init`, for an option a private inner optimizer refuses; at trace
+      time, for a bad host `weight` or `force_emit`, gradients of another tree or shape than
+      the state, a state made with every_k=1 for every_k > 1 (or the
       reverse) or with another `accum_dtype` (ValueError naming both dtypes), ``emit=False``
       with every_k=1, or an `axis_name` that nothing binds (the error names the ways to bind
       it: `jax.shard_map`, `optax_accum.data_parallel`, ``TrainStep(axis_name=...)``).
+      TypeError naming the replacement for `optax.MultiSteps`' keywords (``every_k_schedule=``,
+      ``use_grad_mean=``, ``should_skip_update_fn=``); AttributeError naming it for its methods
+      (``tx.has_updated``, ``tx.gradient_transformation()``, ``tx.inner_opt``).
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
@@ -920,6 +1019,7 @@ def accumulate(
   >>> u  # -(1*1 + 3*4) / (1 + 3)
   Array([-3.25, -3.25], dtype=float32)
   """
+  _refuse_multisteps(every_k, multisteps)
   return transformation(
     make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
   )

@@ -181,3 +181,132 @@ def wraps(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..
     return wrapper
 
   return decorate
+
+
+# ----------------------------------------------------------------------------------------------
+# The private path. The core never imports `optax_accum.privacy`; it recognises a private path
+# by a small protocol: a state node or a function that declares itself private, with the
+# attribute ``__dp_private__`` set to True, or one defined in the privacy package (its
+# `DPNoiseState`, its `ClippedGrad` and `clipped_loss` functions, and what `jax.grad`,
+# `jax.value_and_grad`, `functools.wraps` or `functools.partial` make of them). The rows of the
+# privacy contract (`optax_accum.privacy.CONTRACT`) name the messages below.
+
+PRIVATE_PACKAGE = "optax_accum.privacy"
+
+_WHY = (
+  "on a private path (dp_noise in the inner optimizer, or a clipped_grad/clipped_loss function)"
+)
+
+# What each refused option does to the guarantee, and the fix: `refuse_private` formats one into
+# the error (``{caller}`` the front end). One key per refused row of the contract.
+PRIVATE_REFUSED: dict[str, str] = {
+  "reduction_mean": (
+    "{caller}: reduction='mean' " + _WHY + " divides the clipped sum by the realised total "
+    "weight (the number of micro-batches, which depends on the data: one example more can add a "
+    "micro-batch), so one example moves the update by more than C/B and the printed (ε, δ) is "
+    "false. Use reduction='sum': dp_noise divides the noised sum by the public expected batch "
+    "size B itself."
+  ),
+  "weight": (
+    "{caller}: weight= " + _WHY + " multiplies the clipped sums (and an all-padding window of "
+    "weight 0 would skip the noisy update), so one example moves the update by weight·C/B and "
+    "the printed (ε, δ) is false. Remove it: padding is the mask's job "
+    "(clipped_grad/clipped_loss(..., mask_argnum=...)), and every micro-batch counts 1."
+  ),
+  "weight_fn": (
+    "{caller}: weight_fn " + _WHY + " multiplies the clipped sums by a data-dependent weight "
+    "(e.g. a real-example count), so one example moves the update by up to weight·C/B and the "
+    "printed (ε, δ) is false. Remove it: padding is the mask's job "
+    "(clipped_grad/clipped_loss(..., mask_argnum=...)), and every micro-batch counts 1."
+  ),
+  "noise_scale": (
+    "{caller}: noise_scale " + _WHY + " measures the gradient noise scale from the un-noised "
+    "clipped sums and releases it (noise_scale(state), info.noise), which the accountant does "
+    "not cover: the printed (ε, δ) would be false. Remove noise_scale (the noise scale of a "
+    "private run is a private release of its own)."
+  ),
+  "follow_noise_scale": (
+    "{caller}: every_k=FollowNoiseScale(...) " + _WHY + " chooses each window's length from "
+    "the un-noised clipped sums, while dp_noise divides by a fixed B and the accountant assumes "
+    "a fixed sampling rate q: the printed (ε, δ) is false. Use a fixed int every_k (the "
+    "PoissonSampler decides the batch)."
+  ),
+  "scale_by_gain": (
+    "{caller}: optax_accum.scale_by_gain in the inner optimizer " + _WHY + " scales the noised "
+    "update by a gain computed from the un-noised clipped sums (a data-dependent factor the "
+    "noise does not cover): the printed (ε, δ) is false. Remove scale_by_gain from the chain."
+  ),
+  "accum_dtype": (
+    "{caller}: accum_dtype={dtype} " + _WHY + " sums the clipped gradients in a dtype narrower "
+    "than float32: rounding the running sum moves it by more than one clipped gradient's C, so "
+    "the sensitivity the noise is scaled to no longer bounds it. Use accum_dtype=jnp.float32 "
+    "(the default)."
+  ),
+  "state_argnums": (
+    "{caller}: state_argnums " + _WHY + " threads a state computed from the examples (e.g. "
+    "BatchNorm statistics) from one micro-batch into the next: an example then reaches the "
+    "other examples' gradients and the threaded state, which clipping does not bound, so the "
+    "printed (ε, δ) is false. Use a model without batch statistics (GroupNorm, LayerNorm)."
+  ),
+}
+
+
+def refuse_private(key: str, caller: str, **fields: Any) -> None:
+  """Raises the privacy contract's error for a refused option (`PRIVATE_REFUSED[key]`)."""
+  raise ValueError(PRIVATE_REFUSED[key].format(caller=caller, **fields))
+
+
+def _declares_private(x: Any) -> bool:
+  if getattr(x, "__dp_private__", False) is True:
+    return True
+  module = getattr(x, "__module__", None)
+  return isinstance(module, str) and (
+    module == PRIVATE_PACKAGE or module.startswith(PRIVATE_PACKAGE + ".")
+  )
+
+
+def _unwrapped(fun: Any):
+  """`fun`, then what it wraps (``__wrapped__``, `functools.partial`), outermost first."""
+  for _ in range(32):  # a wrapper chain, not a cycle
+    if fun is None:
+      return
+    yield fun
+    fun = getattr(fun, "__wrapped__", None) or (
+      fun.func if isinstance(fun, functools.partial) else None
+    )
+
+
+def private_fun(fun: Any) -> bool:
+  """Whether `fun` is a private (clipped) function: one that declares itself private or is
+  defined in `optax_accum.privacy`, or wraps one (``__wrapped__``, `functools.partial`)."""
+  return any(_declares_private(f) for f in _unwrapped(fun))
+
+
+def private_reduction(fun: Any) -> Any:
+  """The `microbatch` reduction a private function declares (``ClippedGrad.reduction``, found
+  through its wrappers), else "sum" (a clipped sum)."""
+  for f in _unwrapped(fun):
+    reduction = getattr(f, "reduction", None)
+    if reduction is not None and not callable(reduction):
+      return reduction
+  return "sum"
+
+
+def _private_node(x: Any) -> bool:
+  t = type(x)
+  return getattr(t, "__dp_private__", False) is True or (
+    t.__name__ == "DPNoiseState" and _declares_private(t)
+  )
+
+
+def holds_private_state(tree: Any) -> bool:
+  """Whether an optimizer state (or its `jax.eval_shape`) holds a private node, e.g.
+  `privacy.dp_noise`'s `DPNoiseState`: the optimizer adds DP noise. Reads the tree's structure
+  only (static under tracing)."""
+  return any(_private_node(x) for x in jax.tree.leaves(tree, is_leaf=_private_node))
+
+
+def narrow_float(dtype: Any) -> bool:
+  """A floating dtype narrower than float32 (bfloat16, float16, float8...)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32

@@ -139,7 +139,7 @@ def microbatch(
   batch_argnames: str | Sequence[str] = (),
   batch_axes: int | Sequence[int] = 0,
   num_real_microbatches: int | jax.Array | None = None,
-  reduction: Any = "mean",
+  reduction: Any = None,
   weight_fn: Callable[..., Any] | None = None,
   rng_argnums: ArgNums = (),
   state_argnums: ArgNums = (),
@@ -190,6 +190,14 @@ def microbatch(
   other devices' pieces stay, and the result is the weighted mean over the kept pieces;
   without an axis the whole micro-batch goes.
 
+  A private function (`privacy.clipped_grad`'s `ClippedGrad`, ``jax.value_and_grad`` or
+  ``jax.grad`` of `privacy.clipped_loss`, or any function with ``__dp_private__ = True``) is
+  held to the privacy contract (`optax_accum.privacy.CONTRACT`): "mean" anywhere in
+  `reduction`, `weight_fn`, `noise_scale`, `state_argnums` and an `accum_dtype` narrower than
+  float32 raise here; the default reduction is the function's own; and no micro-batch is ever
+  dropped, whatever `skip_nonfinite` says (a non-finite per-example gradient already counts 0
+  in clipping; a NaN loss value gives a NaN loss, never a lost micro-batch of gradients).
+
   Mutable state (Flax ``batch_stats``): name the state arguments in `state_argnums` and say
   where `fun`'s output holds their new value with `state_out`. Micro-batch ``i`` sees the state
   that micro-batch ``i-1`` produced, as ``k`` sequential small steps would; the output leaves
@@ -230,7 +238,8 @@ def microbatch(
       cover every device's real micro-batches (split "strided" only: see `axis_name`).
     reduction: "mean", "sum", "concat", "stack" or "last", or a pytree prefix of `fun`'s
       output with those strings at its leaves, e.g. ``("mean", "concat")`` for
-      ``(loss, per_example_logits)``.
+      ``(loss, per_example_logits)``. Default "mean"; for a private function (see below) its
+      own ``.reduction`` (`privacy.ClippedGrad`'s), else "sum".
     weight_fn: called like `fun` (the batch arguments replaced by one micro-batch, the same
       PRNG keys and state), returns that micro-batch's non-negative scalar weight, e.g. its
       number of real (non-padding) tokens. Default: equal weights (1). A host value that is
@@ -324,6 +333,12 @@ def microbatch(
   """
   pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, rng_argnums, state_argnums)
   _check_callables(fun, weight_fn, state_out, pos.states)
+  if _checks.private_fun(fun):
+    reduction, skip_nonfinite = _private_options(
+      fun, reduction, weight_fn, noise_scale, pos.states, accum_dtype
+    )
+  elif reduction is None:
+    reduction = "mean"
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
@@ -353,6 +368,31 @@ def microbatch(
     return _run(opts._replace(axis=axis), args, kwargs)
 
   return wrapped
+
+
+def _private_options(
+  fun: Any, reduction: Any, weight_fn: Any, noise_scale: Any, states: tuple, accum_dtype: Any
+) -> tuple[Any, bool]:
+  """The privacy contract of `microbatch` on a private function (`privacy.clipped_grad`,
+  ``jax.value_and_grad(privacy.clipped_loss(...))``): the options that would change the
+  sensitivity raise (`_checks.PRIVATE_REFUSED`); the default reduction is the function's own
+  (``ClippedGrad.reduction``, else "sum"); and no micro-batch is ever dropped (returns
+  ``skip_nonfinite=False``): a non-finite per-example gradient already counts 0 in clipping,
+  and dropping a whole micro-batch for a non-finite loss value would remove up to ``b·C``."""
+  if reduction is None:
+    reduction = _checks.private_reduction(fun)
+  if any(r == "mean" for r in jax.tree.leaves(_outputs.check_reduction(reduction))):
+    _checks.refuse_private("reduction_mean", "microbatch")
+  if weight_fn is not None:
+    _checks.refuse_private("weight_fn", "microbatch")
+  if noise_scale is not None:
+    _checks.refuse_private("noise_scale", "microbatch")
+  if states:
+    _checks.refuse_private("state_argnums", "microbatch")
+  dtype = _checks.accum_dtype(accum_dtype, "microbatch")
+  if dtype is not None and _checks.narrow_float(dtype):
+    _checks.refuse_private("accum_dtype", "microbatch", dtype=dtype.name)
+  return reduction, False
 
 
 def _check_noise(value: Any) -> Any:

@@ -451,6 +451,11 @@ def noise_scale(state: Any) -> NoiseScale:
   Finds the one state holding the statistics inside `state` (an `optax.chain` state, an
   ``nnx.Optimizer``'s ``opt_state``, a Flax ``TrainState``, ...), as `has_updated` does.
 
+  The statistics are measured from the gradients as they arrive, before any noise: on data
+  that must stay private they are a release of their own, which no accountant covers. So a
+  private path (a ``privacy.dp_noise`` in the inner chain, a clipped loss) refuses
+  ``noise_scale=True`` and ``FollowNoiseScale`` (`optax_accum.privacy.CONTRACT`).
+
   Args:
     state: the optimizer state, or a state (pytree) that holds it.
 

@@ -186,6 +186,12 @@ class TrainStep:
     self._cfg = _accumulate.make_config(
       inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale
     )
+    self._cfg = self._cfg._replace(front="TrainStep", weighted=weight_fn is not None)
+    # A clipped loss (privacy.clipped_loss) is a private path: its options are checked against
+    # the privacy contract now; a dp_noise in `inner` is found by `init`.
+    self._private = _checks.private_fun(loss_fn)
+    if self._private:
+      _accumulate.check_private(self._cfg, "TrainStep")
     axis = self._cfg.axis
     if grad_buffer and axis.stacks:
       raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
@@ -396,6 +402,8 @@ class TrainStep:
       raise TypeError(f"TrainStep: force_emit must be a Python bool, got {force_emit!r}.")
     if weight is not None and self._weight_fn is not None:
       raise TypeError("TrainStep: pass weight= or give weight_fn, not both.")
+    if weight is not None and (self._private or _checks.holds_private_state(state)):
+      _checks.refuse_private("weight", "TrainStep")
     if isinstance(weight, int | float | np.number | np.ndarray):
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).

@@ -9,10 +9,13 @@ the privacy contract.
 
 from optax_accum.privacy._accounting import dp_epsilon, dp_noise_multiplier
 from optax_accum.privacy._clipping import ClippedGrad, ClipStats, clipped_grad, clipped_loss
+from optax_accum.privacy._contract import CONTRACT, ContractRow, contract_table
 from optax_accum.privacy._noise import DPNoiseState, dp_noise, dp_updates
 from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
 
 __all__ = [
+  "CONTRACT",
+  "ContractRow",
   "ClipStats",
   "ClippedGrad",
   "DPNoiseState",
@@ -20,6 +23,7 @@ __all__ = [
   "PoissonSampler",
   "clipped_grad",
   "clipped_loss",
+  "contract_table",
   "dp_epsilon",
   "dp_noise",
   "dp_noise_multiplier",

@@ -1,0 +1,195 @@
+"""The privacy contract: every option of the front ends on a private path, kept, made right or
+refused, in one table that the checks, the privacy guide and `tests/test_dp_contract.py` share.
+
+A path is private when a `dp_noise` sits in the inner optimizer of `accumulate`/`TrainStep`
+(found in its state at ``init``) or when the function given to `microbatch`/`TrainStep` is a
+clipped one (`clipped_grad`, `clipped_loss`, what `jax.grad`/`jax.value_and_grad` make of them,
+or any function with ``__dp_private__ = True``). The core recognises both without importing
+this package (`optax_accum._checks`); the errors of the refused rows are its
+`PRIVATE_REFUSED` messages, named here by key, so the table and the checks say the same thing.
+
+Verdicts: "kept" — the option changes neither the sensitivity (one example moves the update by
+at most ``C/B``) nor the noise nor the sampling, and the test measures it on neighbouring data
+sets; "made right" — the option does something else on a private path (said in the row), and
+the test measures that too; "refused" — construction or ``init`` (or, for a per-call argument,
+the first call, before anything runs) raises the row's error.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from optax_accum import _checks
+
+KEPT, MADE_RIGHT, REFUSED = "kept", "made right", "refused"
+
+
+class ContractRow(NamedTuple):
+  """One row of the privacy contract."""
+
+  front: str  # "accumulate", "TrainStep", "microbatch", "data_parallel" or "layout"
+  option: str  # the option (or layout) as written in code
+  verdict: str  # KEPT, MADE_RIGHT or REFUSED
+  why: str  # what it does on a private path, in one sentence
+  error: str | None = None  # REFUSED: the key of its message in `_checks.PRIVATE_REFUSED`
+
+  @property
+  def id(self) -> str:
+    """A stable name for the row (the test of the row is keyed by it)."""
+    return f"{self.front}:{self.option}"
+
+  @property
+  def message(self) -> str | None:
+    """The error's text (with ``{caller}`` the front end), or None for a row that is not
+    refused."""
+    if self.error is None:
+      return None
+    return _checks.PRIVATE_REFUSED[self.error].replace("{caller}", self.front)
+
+
+_R = ContractRow
+_SUM = "the clipped sums are added; the noise is drawn once per update, after them"
+
+
+class _Rows(tuple):
+  """The rows, shown briefly (the table itself: `contract_table`)."""
+
+  def __repr__(self) -> str:
+    return f"<the privacy contract: {len(self)} ContractRow rows; contract_table() shows them>"
+
+
+#: The privacy contract: one `ContractRow` per option (or layout) of each front end on a
+#: private path, verdict "kept", "made right" or "refused". The checks raise the refused rows'
+#: messages; the privacy guide prints `contract_table()`; ``tests/test_dp_contract.py`` runs
+#: every row.
+CONTRACT: tuple[ContractRow, ...] = _Rows((
+  # accumulate(inner, every_k, ...) and its update(grads, state, params, ...)
+  _R("accumulate", "inner=chain(dp_noise(...), ...)", KEPT,
+     "dp_noise runs once per window, on the emitting step, after the one all-reduce"),
+  _R("accumulate", "inner holding scale_by_gain", REFUSED,
+     "a gain from the un-noised clipped sums scales the noised update", "scale_by_gain"),
+  _R("accumulate", "every_k=int", KEPT, _SUM),
+  _R("accumulate", "every_k=schedule", KEPT,
+     "a public schedule of window lengths: the data never choose a window"),
+  _R("accumulate", "every_k=FollowNoiseScale(...)", REFUSED,
+     "window lengths chosen from the un-noised clipped sums", "follow_noise_scale"),
+  _R("accumulate", 'reduction="sum"', KEPT, _SUM),
+  _R("accumulate", 'reduction="mean"', REFUSED,
+     "divides by the realised number of micro-batches (data-dependent)", "reduction_mean"),
+  _R("accumulate", "accum_dtype=float32", KEPT, "sums at least in float32 (the default)"),
+  _R("accumulate", "accum_dtype narrower than float32", REFUSED,
+     "rounding the running sum breaks the C bound", "accum_dtype"),
+  _R("accumulate", "skip_nonfinite=True", KEPT,
+     "judges the gradient leaves only: clipped sums are finite by construction (a non-finite "
+     "per-example gradient counts 0)"),
+  _R("accumulate", "skip_nonfinite=False", KEPT, _SUM),
+  _R("accumulate", "empty window", MADE_RIGHT,
+     "a window whose every micro-batch was dropped still makes the noisy update, counted by "
+     "dp_updates (the accountant counts every window)"),
+  _R("accumulate", 'axis_name="data"', KEPT,
+     "the devices' clipped sums meet in the one all-reduce; the noise is drawn once, after it"),
+  _R("accumulate", "noise_scale=True", REFUSED,
+     "releases statistics of the un-noised clipped sums", "noise_scale"),
+  _R("accumulate", "update(weight=...)", REFUSED,
+     "multiplies the clipped sums (raised at the first update's trace, before it runs)",
+     "weight"),
+  _R("accumulate", "update(force_emit=...)", KEPT,
+     "a short window (e.g. a small Poisson draw) sums fewer clipped gradients; the noise and "
+     "the divisor B are the same (force_emit must be public, e.g. the sampler's count)"),
+  _R("accumulate", "update(emit=...)", KEPT, "the same window, without a device conditional"),
+  # TrainStep(loss_fn, inner, every_k, ...) and its call
+  _R("TrainStep", "loss_fn=clipped_loss(...)", KEPT, _SUM),
+  _R("TrainStep", "inner holding scale_by_gain", REFUSED,
+     "a gain from the un-noised clipped sums scales the noised update", "scale_by_gain"),
+  _R("TrainStep", "every_k=FollowNoiseScale(...)", REFUSED,
+     "window lengths chosen from the un-noised clipped sums", "follow_noise_scale"),
+  _R("TrainStep", 'reduction="mean"', REFUSED,
+     "divides by the realised number of micro-batches (data-dependent)", "reduction_mean"),
+  _R("TrainStep", "accum_dtype narrower than float32", REFUSED,
+     "rounding the running sum breaks the C bound", "accum_dtype"),
+  _R("TrainStep", "skip_nonfinite=True", KEPT,
+     "judges the clipped gradients only: a NaN loss value drops nothing"),
+  _R("TrainStep", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
+     "weight_fn"),
+  _R("TrainStep", "step(..., weight=...)", REFUSED, "multiplies the clipped sums", "weight"),
+  _R("TrainStep", "noise_scale=True", REFUSED,
+     "releases statistics of the un-noised clipped sums", "noise_scale"),
+  _R("TrainStep", "step(..., force_emit=True)", KEPT,
+     "a short window sums fewer clipped gradients; the same noise and divisor"),
+  _R("TrainStep", "donate=True, grad_buffer=True", KEPT, "memory only"),
+  _R("TrainStep", 'axis_name="data", mesh', KEPT,
+     "per-device clipped sums, one all-reduce per window, one noise draw after it"),
+  # microbatch(fun, k, ...)
+  _R("microbatch", "fun=clipped_grad(...)", KEPT, _SUM),
+  _R("microbatch", "fun=value_and_grad(clipped_loss(...))", KEPT, _SUM),
+  _R("microbatch", "reduction omitted", MADE_RIGHT,
+     'the function\'s own (ClippedGrad.reduction, else "sum"), not microbatch\'s "mean"'),
+  _R("microbatch", 'reduction="sum"', KEPT, _SUM),
+  _R("microbatch", 'reduction="mean"', REFUSED,
+     "divides by the realised number of micro-batches (data-dependent)", "reduction_mean"),
+  _R("microbatch", 'reduction="stack" / "last"', KEPT,
+     "an example is in one micro-batch: its entry moves by at most C"),
+  _R("microbatch", "num_real_microbatches", KEPT,
+     "padded micro-batches are not run; the sum of the real ones is kept"),
+  _R("microbatch", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
+     "weight_fn"),
+  _R("microbatch", "skip_nonfinite", MADE_RIGHT,
+     "nothing is dropped, whatever it says: a NaN loss value gives a NaN loss, never a lost "
+     "micro-batch of clipped gradients"),
+  _R("microbatch", "noise_scale", REFUSED, "releases statistics of the un-noised clipped sums",
+     "noise_scale"),
+  _R("microbatch", "state_argnums", REFUSED,
+     "a state computed from the examples reaches the next micro-batches", "state_argnums"),
+  _R("microbatch", "accum_dtype narrower than float32", REFUSED,
+     "rounding the running sum breaks the C bound", "accum_dtype"),
+  _R("microbatch", 'split="contiguous", microbatch_size', KEPT, "which rows go where only"),
+  _R("microbatch", "batch_argnums", KEPT, "which arguments are split only"),
+  _R("microbatch", "rng_argnums", KEPT, "keys folded per micro-batch; the sums are the same"),
+  _R("microbatch", "return_info=True", KEPT,
+     "the info (counts, total weight) is for monitoring, not a private release"),
+  _R("microbatch", 'axis_name="data"', KEPT,
+     "the devices' clipped sums meet in the one all-reduce after the loop"),
+  # data_parallel(fun, axis_name, ...)
+  _R("data_parallel", 'sync="update"', KEPT,
+     "binds the axis; the front ends inside keep their contract"),
+  _R("data_parallel", 'sync="microbatch"', KEPT,
+     "GSPMD sums each micro-batch's clipped sums; the same sum"),
+  _R("data_parallel", 'varying="concat"', KEPT,
+     "joins per-device outputs; what it joins (ClipStats norms) is monitoring, not private"),
+  # layouts x front ends
+  _R("layout", "one device", KEPT, "every row above is measured on one device"),
+  _R("layout", 'shard_map over ("data",)', KEPT,
+     "accumulate and microbatch with axis_name inside jax.shard_map, 8 devices"),
+  _R("layout", 'plain jit, mesh ("data",)', KEPT,
+     "TrainStep(axis_name), microbatch(axis_name, mesh) and data_parallel bind the axis"),
+))  # fmt: skip
+
+
+def contract_table() -> str:
+  """The privacy contract as a Markdown table (one row per `CONTRACT` row), as the privacy
+  guide shows it.
+
+  Returns:
+    The table, a string.
+
+  >>> from optax_accum import privacy
+  >>> print(privacy.contract_table().splitlines()[0])
+  | front end | option | verdict | on a private path |
+  """
+  lines = ["| front end | option | verdict | on a private path |", "|---|---|---|---|"]
+  for row in CONTRACT:
+    why = row.why
+    if row.error is not None:
+      why += f"; raises ValueError, fix: {fix(row)}"
+    option = row.option.replace("|", "\\|")
+    lines.append(f"| `{row.front}` | `{option}` | **{row.verdict}** | {why} |")
+  return "\n".join(lines)
+
+
+def fix(row: ContractRow) -> str | None:
+  """The fix a refused row's error names (its last sentences, from "Use" or "Remove")."""
+  if row.message is None:
+    return None
+  text = row.message
+  at = max(text.rfind(". Use "), text.rfind(". Remove "))
+  return text[at + 2 :] if at >= 0 else text

@@ -1,0 +1,562 @@
+"""The privacy contract (`optax_accum.privacy.CONTRACT`), enumerated row by row.
+
+Each row that is kept (or made right) is measured as an adversary would: two neighbouring data
+sets, D and D' = D plus one example, run through the front end with the row's option, with the
+same noise key (σ > 0: the noise cancels in the difference); the released update may move by
+at most C/B, i.e. ``‖Δupdate‖·B/C ≤ 1 + 1e-5`` (float32 rounding of sums of a few dozen terms
+of size ~C/B: well under 1e-5). The added example's gradient norm is ~3000·C, so it is clipped
+to exactly C and the bound is reached: the ratio must also be ≥ 0.99, so a test that measured
+nothing would fail. Each refused row must raise its error (the full text of
+`_checks.PRIVATE_REFUSED`) at construction or ``init`` — for a per-call argument at the first
+call, before anything runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import optax_accum as oa
+from optax_accum import _checks
+from optax_accum.privacy import CONTRACT
+
+C, N, REAL, SIGMA, AX = 1.0, 48, 16, 0.5, "data"
+B = float(N)  # the public expected batch size dp_noise divides by
+STEPS = 3  # micro-steps (or micro-batches) of N / STEPS = 16 rows: one update
+
+_rng = np.random.default_rng(0)
+X = _rng.normal(size=(N, 3)).astype(np.float32)
+Y = _rng.normal(size=(N,)).astype(np.float32)
+X[REAL], Y[REAL] = [30.0, -20.0, 10.0], 50.0  # the added example: gradient norm ~3000·C
+P0 = {"w": np.array([0.1, -0.2, 0.3], np.float32), "b": np.zeros((), np.float32)}
+
+
+def loss(p, x, y):
+  r = x @ p["w"] + p["b"] - y
+  return jnp.sum(0.5 * r**2)
+
+
+def nan_valued_loss(p, x, y):
+  """`loss` whose value is NaN where x[:, 0] < 0 (about half the rows); its gradient is
+  `loss`'s (the NaN term does not depend on the parameters)."""
+  return loss(p, x, y) + 0.0 * jnp.sum(jnp.log(x[:, 0]))
+
+
+CLIPPED_LOSS = oa.privacy.clipped_loss(loss, C, batch_argnums=(1, 2), mask_argnum=3)
+CLIPPED_GRAD = oa.privacy.clipped_grad(loss, C, batch_argnums=(1, 2), mask_argnum=3)
+CLIPPED_SUM = jax.jit(lambda m: CLIPPED_GRAD(P0, X, Y, m))  # the whole batch at once
+
+
+def mask(neighbour: bool, real: int = REAL) -> np.ndarray:
+  """D: the first `real` rows are examples, the rest padding; D': also row `REAL`."""
+  m = np.zeros(N, np.float32)
+  m[:real] = 1
+  m[REAL] = float(neighbour)
+  return m
+
+
+def noise():
+  """σ > 0 with one key for both neighbours (allowed: the same run, rebuilt)."""
+  return oa.privacy.dp_noise(SIGMA, C, B, jax.random.key(7), allow_key_reuse=True)
+
+
+def inner(*middle):
+  return optax.chain(noise(), *middle, optax.sgd(1.0))
+
+
+def micro_rows(steps: int = STEPS):
+  return np.array_split(np.arange(N), steps)
+
+
+def ratio(run) -> float:
+  """‖run(D') − run(D)‖ · B / C, in float64 (`run` maps a mask to the released update, or to
+  the parameters after it: sgd(1.0) on P0, which cancels in the difference)."""
+  a, b = (run(mask(n)) for n in (False, True))
+  leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+  diff = [np.float64(u) - np.float64(v) for u, v in leaves]
+  return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * B / C
+
+
+def _once(run):
+  """`run` (jitted: one compilation serves both neighbours), checking that it made exactly one
+  noisy update, counted for the accountant."""
+
+  def checked(m):
+    out, updates = run(m)
+    assert int(updates) == 1, f"{int(updates)} noisy updates, not 1"
+    return out
+
+  return checked
+
+
+# ----------------------------------------------------------------------------------------------
+# The front ends, one update each, as functions of the mask.
+
+
+def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None):
+  tx = oa.accumulate(inner(), k, **{"reduction": "sum", **(tx_kw or {})})
+  grad = grads or jax.grad(CLIPPED_LOSS)
+
+  @jax.jit
+  def window(m):
+    state, p = tx.init(P0), P0
+    for i, rows in enumerate(micro_rows()):
+      g = grad(p, X[rows], Y[rows], m[rows])
+      u, state = tx.update(g, state, p, **(update_kw(i) if update_kw else {}))
+      p = optax.apply_updates(p, u)
+    return p, oa.privacy.dp_updates(state)
+
+  return _once(window)
+
+
+def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS):
+  """One TrainStep for both neighbours (its programs compile once); so it does not donate: a
+  donated state would take dp_noise's own key buffer with it (`init` reuses it)."""
+  kw = {"reduction": "sum", "donate": False, **(step_kw or {})}
+  fresh = kw["donate"]  # a donating step: one per neighbour
+  step = None if fresh else oa.TrainStep(loss_fn, inner(), every_k=k, **kw)
+
+  def window(m):
+    s = oa.TrainStep(loss_fn, inner(), every_k=k, **kw) if fresh else step
+    state, p = s.init(P0), jax.tree.map(jnp.array, P0)
+    for i, rows in enumerate(micro_rows()):
+      p, state, _ = s(p, state, X[rows], Y[rows], m[rows], **(call_kw(i) if call_kw else {}))
+    return p, oa.privacy.dp_updates(state)
+
+  return _once(window)
+
+
+def released(grads):
+  """dp_noise's update of a clipped sum: the private release of `microbatch`'s output."""
+  tx = noise()
+  return tx.update(grads, tx.init(grads))[0]
+
+
+def microbatch_run(*, fun=CLIPPED_GRAD, kw=None, pick=lambda out: out, k=STEPS):
+  step = oa.microbatch(fun, k, batch_argnums=(1, 2, 3), **(kw or {}))
+  return jax.jit(lambda m: released(pick(step(P0, X, Y, m))))
+
+
+def mesh8(auto: bool = False):
+  """8 host devices; `auto` for an Auto axis (jax.shard_map then lays out unplaced inputs)."""
+  types = (jax.sharding.AxisType.Auto,) if auto else None
+  return jax.make_mesh((8,), (AX,), axis_types=types)
+
+
+def accumulate_shard_map_run():
+  """accumulate(dp_noise, k, axis_name) inside jax.shard_map over 8 devices."""
+  mesh = mesh8(auto=True)
+  tx = oa.accumulate(inner(), STEPS, reduction="sum", axis_name=AX)
+  grad = jax.grad(CLIPPED_LOSS)
+
+  def micro(p, state, x, y, mk):
+    u, state = tx.update(grad(lax.pcast(p, AX, to="varying"), x, y, mk), state, p)
+    return optax.apply_updates(p, u), state
+
+  pspec = jax.tree.map(lambda _: P(), P0)
+  sspec = oa.state_partition_specs(tx, pspec, AX)
+  init = jax.shard_map(tx.init, mesh=mesh, in_specs=(pspec,), out_specs=sspec)
+  specs = (pspec, sspec, P(AX), P(AX), P(AX))
+  step = jax.shard_map(micro, mesh=mesh, in_specs=specs, out_specs=(pspec, sspec))
+
+  @jax.jit
+  def window(m):
+    p = P0
+    state = init(p)
+    for rows in micro_rows():
+      p, state = step(p, state, X[rows], Y[rows], m[rows])
+    return p, oa.privacy.dp_updates(state)
+
+  return _once(window)
+
+
+def microbatch_shard_map_run():
+  summed = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), axis_name=AX)
+  pspec = jax.tree.map(lambda _: P(), P0)
+  specs = (pspec, P(AX), P(AX), P(AX))
+  f = jax.shard_map(summed, mesh=mesh8(auto=True), in_specs=specs, out_specs=pspec)
+  return jax.jit(lambda m: released(f(P0, X, Y, m)))
+
+
+def microbatch_bound_here_run():
+  step = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), axis_name=AX, mesh=mesh8())
+  return jax.jit(lambda m: released(step(P0, X, Y, m)))
+
+
+def data_parallel_run(**kw):
+  concat = kw.get("varying") == "concat"
+  clipped = oa.privacy.clipped_grad(
+    loss, C, batch_argnums=(1, 2), mask_argnum=3, return_stats=concat
+  )
+  summed = oa.microbatch(clipped, STEPS, batch_argnums=(1, 2, 3), axis_name=AX)
+  step = jax.jit(oa.data_parallel(summed, AX, batch_argnums=(1, 2, 3), mesh=mesh8(), **kw))
+
+  def run(m):
+    out = step(P0, X, Y, m)
+    if concat:
+      out, stats = out
+      assert stats.norms.shape == (N,)  # the devices' per-example norms, joined (monitoring)
+      assert float(stats.num_examples) == float(m.sum())
+    return released(out)
+
+  return run
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows that are kept or made right: what each measures (a configuration shared by several rows
+# is measured once).
+
+
+@functools.cache
+def plain_accumulate() -> float:
+  return ratio(accumulate_run())
+
+
+@functools.cache
+def plain_train_step() -> float:
+  return ratio(train_step_run())
+
+
+@functools.cache
+def plain_microbatch() -> float:
+  return ratio(microbatch_run(kw={"reduction": "sum"}))
+
+
+@functools.cache
+def shard_map_accumulate() -> float:
+  return ratio(accumulate_shard_map_run())
+
+
+@functools.cache
+def shard_map_microbatch() -> float:
+  return ratio(microbatch_shard_map_run())
+
+
+@functools.cache
+def train_step_data_parallel() -> float:
+  return ratio(train_step_run(step_kw={"axis_name": AX, "mesh": mesh8()}))
+
+
+@functools.cache
+def microbatch_bound_here() -> float:
+  return ratio(microbatch_bound_here_run())
+
+
+@functools.cache
+def data_parallel(**kw) -> float:
+  return ratio(data_parallel_run(**kw))
+
+
+def _empty_window():
+  """accumulate: a window whose every micro-batch was dropped (non-finite gradients) still
+  makes its noisy update, counted: the update of a window of zero gradients, the same noise."""
+  updates = []
+  for fill in (np.nan, 0.0):
+    run = accumulate_run(grads=lambda p, x, y, m, f=fill: jax.tree.map(lambda a: a * 0 + f, p))
+    updates.append(run(mask(True)))
+  leaves = [jax.tree.leaves(u) for u in updates]
+  assert all(np.all(np.isfinite(x)) for x in leaves[0])
+  for a, b in zip(leaves[0], leaves[1], strict=True):
+    np.testing.assert_array_equal(a, b)
+  moved = [
+    np.float64(a) - np.float64(b) for a, b in zip(leaves[0], jax.tree.leaves(P0), strict=True)
+  ]
+  assert max(np.max(np.abs(d)) for d in moved) > 0.1 * SIGMA * C / B  # the noise is there
+  # ... and an all-padding window (D holds no example at all) against one example:
+  run = accumulate_run()
+  return ratio(lambda m: run(m * (np.arange(N) >= REAL)))
+
+
+def _nan_valued_clipped_loss():
+  return oa.privacy.clipped_loss(nan_valued_loss, C, batch_argnums=(1, 2), mask_argnum=3)
+
+
+def _train_step_nan_loss_value():
+  """A NaN loss value (half the rows) drops nothing: the update is the clean loss's."""
+  run = train_step_run(loss_fn=_nan_valued_clipped_loss())
+  clean = train_step_run()(mask(True))
+  for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(run(mask(True))), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  return ratio(run)
+
+
+def _microbatch_nan_loss_value():
+  """microbatch(value_and_grad(clipped_loss)) with NaN loss values (default skip_nonfinite):
+  every clipped gradient is kept (the value is NaN: honest); no micro-batch is dropped."""
+  fun = jax.value_and_grad(_nan_valued_clipped_loss())
+  step = jax.jit(oa.microbatch(fun, STEPS, batch_argnums=(1, 2, 3), return_info=True))
+  (value, grads), info = step(P0, X, Y, mask(True))
+  assert np.isnan(value) and int(info.num_skipped) == 0
+  clean = CLIPPED_SUM(mask(True))
+  for a, b in zip(jax.tree.leaves(clean), jax.tree.leaves(grads), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  return ratio(lambda m: released(step(P0, X, Y, m)[0][1]))
+
+
+def _microbatch_default_reduction():
+  """No reduction given: ClippedGrad's own ("sum"), not microbatch's "mean" (÷ k)."""
+  step = jax.jit(oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3)))
+  out, want = step(P0, X, Y, mask(True)), CLIPPED_SUM(mask(True))
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(out), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  return ratio(lambda m: released(step(P0, X, Y, m)))
+
+
+def num_real_run(reduction="sum"):
+  """The last batch of an epoch, padded: D fills 1 micro-batch of 16, D' spills into a 2nd
+  (a traced count: one compilation for both)."""
+
+  def summed(m, n):
+    step = oa.microbatch(
+      CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), split="contiguous", reduction=reduction,
+      num_real_microbatches=n,
+    )  # fmt: skip
+    return released(step(P0, X, Y, m))
+
+  jitted = jax.jit(summed)
+  return lambda m: jitted(m, jnp.int32(1 + int(m[REAL])))
+
+
+def _keyed_run():
+  def keyed_loss(p, x, y, key):
+    return loss(p, x, y) + 0.0 * jax.random.normal(key)
+
+  fun = oa.privacy.clipped_grad(keyed_loss, C, batch_argnums=(1, 2), mask_argnum=3)
+  step = oa.microbatch(fun, STEPS, batch_argnums=(1, 2, 3), rng_argnums=4)
+  return jax.jit(lambda m: released(step(P0, X, Y, m, jax.random.key(3))))
+
+
+def _sized_contiguous_run():
+  step = oa.microbatch(
+    CLIPPED_GRAD, microbatch_size=16, batch_argnums=(1, 2, 3), split="contiguous"
+  )
+  return jax.jit(lambda m: released(step(P0, X, Y, m)))
+
+
+SENSITIVITY = {
+  "accumulate:inner=chain(dp_noise(...), ...)": plain_accumulate,
+  "accumulate:every_k=int": plain_accumulate,
+  "accumulate:every_k=schedule": lambda: ratio(
+    accumulate_run(k=lambda step: jnp.where(step == 0, STEPS, 5))
+  ),
+  'accumulate:reduction="sum"': plain_accumulate,
+  "accumulate:accum_dtype=float32": lambda: ratio(accumulate_run(tx_kw={"accum_dtype": None})),
+  "accumulate:skip_nonfinite=True": plain_accumulate,
+  "accumulate:skip_nonfinite=False": lambda: ratio(accumulate_run(tx_kw={"skip_nonfinite": False})),
+  "accumulate:empty window": _empty_window,
+  'accumulate:axis_name="data"': shard_map_accumulate,
+  "accumulate:update(force_emit=...)": lambda: ratio(
+    accumulate_run(k=STEPS + 2, update_kw=lambda i: {"force_emit": i == STEPS - 1})
+  ),
+  "accumulate:update(emit=...)": lambda: ratio(
+    accumulate_run(update_kw=lambda i: {"emit": i == STEPS - 1})
+  ),
+  "TrainStep:loss_fn=clipped_loss(...)": plain_train_step,
+  "TrainStep:skip_nonfinite=True": _train_step_nan_loss_value,
+  "TrainStep:step(..., force_emit=True)": lambda: ratio(
+    train_step_run(k=STEPS + 2, call_kw=lambda i: {"force_emit": i == STEPS - 1})
+  ),
+  "TrainStep:donate=True, grad_buffer=True": lambda: ratio(
+    train_step_run(step_kw={"donate": True, "grad_buffer": True})
+  ),
+  'TrainStep:axis_name="data", mesh': train_step_data_parallel,
+  "microbatch:fun=clipped_grad(...)": plain_microbatch,
+  "microbatch:fun=value_and_grad(clipped_loss(...))": lambda: ratio(
+    microbatch_run(fun=jax.value_and_grad(CLIPPED_LOSS), pick=lambda out: out[1])
+  ),
+  "microbatch:reduction omitted": _microbatch_default_reduction,
+  'microbatch:reduction="sum"': plain_microbatch,
+  'microbatch:reduction="stack" / "last"': lambda: min(
+    ratio(microbatch_run(kw={"reduction": "stack"})), ratio(num_real_run("last"))
+  ),
+  "microbatch:num_real_microbatches": lambda: ratio(num_real_run()),
+  "microbatch:skip_nonfinite": _microbatch_nan_loss_value,
+  'microbatch:split="contiguous", microbatch_size': lambda: ratio(_sized_contiguous_run()),
+  "microbatch:batch_argnums": plain_microbatch,
+  "microbatch:rng_argnums": lambda: ratio(_keyed_run()),
+  "microbatch:return_info=True": lambda: ratio(
+    microbatch_run(kw={"return_info": True}, pick=lambda out: out[0])
+  ),
+  'microbatch:axis_name="data"': lambda: min(shard_map_microbatch(), microbatch_bound_here()),
+  'data_parallel:sync="update"': lambda: data_parallel(sync="update"),
+  'data_parallel:sync="microbatch"': lambda: data_parallel(sync="microbatch"),
+  'data_parallel:varying="concat"': lambda: data_parallel(varying="concat"),
+  "layout:one device": lambda: min(plain_accumulate(), plain_train_step(), plain_microbatch()),
+  'layout:shard_map over ("data",)': lambda: min(shard_map_accumulate(), shard_map_microbatch()),
+  'layout:plain jit, mesh ("data",)': lambda: min(
+    train_step_data_parallel(), microbatch_bound_here(), data_parallel(sync="update")
+  ),
+}
+
+# ----------------------------------------------------------------------------------------------
+# Refused rows: what each builds (it must raise before anything runs).
+
+BF16 = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), P0)
+
+
+def _gain():
+  return oa.scale_by_gain(1.0, base_weight=16.0)
+
+
+def _accumulate_weight():
+  tx = oa.accumulate(inner(), STEPS, reduction="sum")
+  tx.update(P0, tx.init(P0), P0, weight=2.0)
+
+
+def _train_step_weight():
+  step = oa.TrainStep(CLIPPED_LOSS, inner(), every_k=STEPS, reduction="sum")
+  rows = micro_rows()[0]
+  step(jax.tree.map(jnp.array, P0), step.init(P0), X[rows], Y[rows], mask(True)[rows], weight=2.0)
+
+
+def _microbatch(**kw):
+  return lambda: oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), **kw)
+
+
+def _train_step(**kw):
+  kw = {"every_k": STEPS, "reduction": "sum", **kw}
+  return lambda: oa.TrainStep(CLIPPED_LOSS, inner(), **kw)
+
+
+REFUSALS = {
+  "accumulate:inner holding scale_by_gain": lambda: oa.accumulate(
+    inner(_gain()), STEPS, reduction="sum"
+  ).init(P0),
+  "accumulate:every_k=FollowNoiseScale(...)": lambda: oa.accumulate(
+    inner(), oa.FollowNoiseScale(min_k=2), reduction="sum"
+  ).init(P0),
+  'accumulate:reduction="mean"': lambda: oa.accumulate(inner(), STEPS).init(P0),
+  "accumulate:accum_dtype narrower than float32": lambda: oa.accumulate(
+    inner(), STEPS, reduction="sum", accum_dtype=None
+  ).init(BF16),
+  "accumulate:noise_scale=True": lambda: oa.accumulate(
+    inner(), STEPS, reduction="sum", noise_scale=True
+  ).init(P0),
+  "accumulate:update(weight=...)": _accumulate_weight,
+  "TrainStep:inner holding scale_by_gain": lambda: oa.TrainStep(
+    CLIPPED_LOSS, inner(_gain()), STEPS, reduction="sum", noise_scale=False
+  ).init(P0),
+  "TrainStep:every_k=FollowNoiseScale(...)": _train_step(every_k=oa.FollowNoiseScale(min_k=2)),
+  'TrainStep:reduction="mean"': lambda: oa.TrainStep(CLIPPED_LOSS, inner(), STEPS),
+  "TrainStep:accum_dtype narrower than float32": lambda: oa.TrainStep(
+    CLIPPED_LOSS, inner(), STEPS, reduction="sum", accum_dtype=jnp.bfloat16
+  ).init(BF16),
+  "TrainStep:weight_fn": _train_step(weight_fn=lambda x, y, m: jnp.sum(m)),
+  "TrainStep:step(..., weight=...)": _train_step_weight,
+  "TrainStep:noise_scale=True": _train_step(noise_scale=True),
+  'microbatch:reduction="mean"': _microbatch(reduction="mean"),
+  "microbatch:weight_fn": _microbatch(weight_fn=lambda p, x, y, m: jnp.sum(m)),
+  "microbatch:noise_scale": _microbatch(noise_scale=0),
+  "microbatch:state_argnums": _microbatch(state_argnums=4, state_out=lambda out: out),
+  "microbatch:accum_dtype narrower than float32": _microbatch(accum_dtype=jnp.bfloat16),
+}
+
+
+def _error_text(row) -> str:
+  """The row's full error, less the caller (`accumulate.init`, `TrainStep`, ...)."""
+  text = _checks.PRIVATE_REFUSED[row.error].split("{caller}: ", 1)[1]
+  return text.format(dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------------------------
+# The tests.
+
+
+def test_every_row_of_the_contract_has_its_test():
+  ids = [row.id for row in CONTRACT]
+  assert len(ids) == len(set(ids)), "two rows with the same front end and option"
+  refused = {row.id for row in CONTRACT if row.verdict == "refused"}
+  others = {row.id for row in CONTRACT if row.verdict in ("kept", "made right")}
+  assert {row.verdict for row in CONTRACT} <= {"kept", "made right", "refused"}
+  assert set(REFUSALS) == refused
+  assert set(SENSITIVITY) == others
+  assert all((row.error is None) == (row.verdict != "refused") for row in CONTRACT)
+  assert {row.front for row in CONTRACT} >= {"accumulate", "TrainStep", "microbatch"}
+  assert {row.front for row in CONTRACT} >= {"data_parallel", "layout"}
+
+
+# Rows measured on 8 devices (a few compilations each): slow tier, still run by CI.
+MULTI_DEVICE = ("axis_name", "data_parallel", "layout:shard_map", "layout:plain jit")
+
+
+@pytest.mark.parametrize(
+  "row",
+  [
+    pytest.param(r, marks=[pytest.mark.slow] if any(m in r.id for m in MULTI_DEVICE) else [])
+    for r in CONTRACT
+    if r.verdict != "refused"
+  ],
+  ids=lambda r: r.id,
+)
+def test_kept_row_moves_the_update_by_at_most_c_over_b(row):
+  measured = SENSITIVITY[row.id]()
+  assert measured <= 1 + 1e-5, f"{row.id}: one example moved the update by {measured:.4f}·C/B"
+  assert measured >= 0.99, f"{row.id}: the added example did not reach the update ({measured})"
+
+
+@pytest.mark.parametrize("row", [r for r in CONTRACT if r.verdict == "refused"], ids=lambda r: r.id)
+def test_refused_row_raises_before_training(row):
+  with pytest.raises(ValueError, match=re.escape(_error_text(row))) as caught:
+    REFUSALS[row.id]()
+  assert str(caught.value).split(":")[0].split(".")[0] == row.front  # the front end named
+
+
+def test_mean_on_a_private_path_would_have_leaked():
+  """Why "mean" is refused: the same neighbours through microbatch's "mean", forced past the
+  check by hiding the function's privacy, move the update by far more than C/B."""
+  hidden = lambda *args: CLIPPED_GRAD(*args)  # noqa: E731 — not recognised as private
+
+  @jax.jit
+  def run(m, n):
+    step = oa.microbatch(
+      hidden, STEPS, batch_argnums=(1, 2, 3), split="contiguous", num_real_microbatches=n
+    )
+    return released(jax.tree.map(lambda g: g * STEPS, step(P0, X, Y, m)))  # "mean"·k
+
+  assert ratio(lambda m: run(m, jnp.int32(1 + int(m[REAL])))) > 3.0
+
+
+def test_train_step_finds_dp_noise_at_init_whatever_the_loss():
+  """A loss that is not recognised as clipped: the dp_noise in the inner chain is found by
+  init (before any step), and "mean" is refused there."""
+  step = oa.TrainStep(lambda p, x, y, m: CLIPPED_LOSS(p, x, y, m), inner(), STEPS)
+  with pytest.raises(ValueError, match=re.escape("TrainStep.init: reduction='mean'")):
+    step.init(P0)
+  weighted = oa.TrainStep(
+    lambda p, x, y, m: CLIPPED_LOSS(p, x, y, m), inner(), STEPS, reduction="sum",
+    weight_fn=lambda x, y, m: jnp.sum(m),
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=re.escape("TrainStep.init: weight_fn on a private")):
+    weighted.init(P0)
+
+
+def test_a_path_without_dp_noise_or_clipping_keeps_every_option():
+  """The contract binds private paths only: the same options elsewhere are untouched."""
+  tx = oa.accumulate(optax.sgd(1.0), STEPS, noise_scale=True)
+  tx.update(P0, tx.init(P0), P0, weight=2.0)
+  oa.microbatch(jax.grad(loss), STEPS, weight_fn=lambda p, x, y: 1.0, noise_scale=0)
+
+
+def test_private_recognition_is_one_way_and_sees_through_wrappers():
+  import functools
+
+  assert _checks.private_fun(CLIPPED_GRAD) and _checks.private_fun(CLIPPED_LOSS)
+  assert _checks.private_fun(jax.value_and_grad(CLIPPED_LOSS))
+  assert _checks.private_fun(functools.partial(jax.grad(CLIPPED_LOSS)))
+  assert not _checks.private_fun(jax.grad(loss))
+
+  def declared(p, x):
+    return x
+
+  declared.__dp_private__ = True
+  assert _checks.private_fun(declared)
+  assert _checks.holds_private_state(jax.eval_shape(inner().init, P0))
+  assert not _checks.holds_private_state(optax.adam(1.0).init(P0))
