@@ -4,35 +4,46 @@
 
 One training run per configuration, with white-box gradient (Dirac) canaries on a linear model:
 
-* the model: ``L = 16`` parameter leaves (standing for 16 model shards) of ``M = 4000``
-  coordinates each. Canary ``i`` is an example whose gradient is ``-4C·uᵢ``, with
-  ``uᵢ = Σ_l s_l e_{l,i} / √L`` (coordinate ``i`` of every leaf, signs ``s_l = ±1``
-  alternating): norm 4C, clipped to C, orthogonal to every other canary. The alternating
-  signs make a noise that is the same on every leaf cancel in the score, and spreading the
-  canary over the leaves makes per-leaf clipping give it ``√L·C``;
+* the model: one weight of shape ``(L, M) = (16, 4000)``, its ``L`` rows standing for ``L``
+  model shards. Canary ``i`` is an example whose gradient is ``-4C·uᵢ`` with
+  ``uᵢ = Σ_l s_l e_{l,i} / √L`` (column ``i`` of every row; ``s_l = +1`` on the first half of
+  the rows, ``-1`` on the second): norm 4C, clipped to C, orthogonal to every other canary.
+  Spread over the rows, a clipping that computes the norm per shard lets it reach ``√L·C``;
+  with the signs, a noise that is the same on every shard (or on both halves) cancels in its
+  score;
 * the data set: each canary in with probability ½ (seeded), nothing else;
-* training: the library's private path: `privacy.PoissonSampler` logical batches
-  (``q = 0.9``), ``K = 16`` micro-batches each, ``accumulate(chain(privacy.dp_noise(σ, C, B),
-  sgd(1)), K, reduction="sum", axis_name="data")`` inside ``shard_map`` over 8 devices (the
-  micro-batch's rows split over them), the gradient of `privacy.clipped_loss`; ``T = 2``
-  updates, σ from `privacy.dp_noise_multiplier` for the claimed ε = 2 at δ = 1e-6 (PLD
-  accountant), ``B = q·M/2`` (public: the expected data set size times q);
-* the score of canary ``i``: ``⟨final params − initial params, uᵢ⟩``; the audit guesses "in" for
-  the 150 highest scores and "out" for the 150 lowest (fixed in advance) and turns the correct
-  guesses into an ε lower bound at 95 % confidence (`privacy.audit_epsilon`, δ = 1e-6).
+* training, the library's private path: `privacy.PoissonSampler` logical batches
+  (``q = 0.9``), ``K = 16`` micro-batches each (padded with masked rows), the gradient of
+  `privacy.clipped_loss`, ``accumulate(chain(privacy.dp_noise(σ, C, B), sgd(1)), K,
+  reduction="sum", axis_name="data")`` inside ``shard_map`` over 8 devices (each micro-batch's
+  rows split over them), and once more in ``shard_map`` over a (data 4, model 2) mesh with the
+  weight's rows split over the model axis (each half a model shard); ``T = 2`` updates;
+  σ = 2.951, for which the PLD accountant (`privacy.dp_epsilon`) gives ε = 2.0 at δ = 1e-6
+  (RDP: 2.16); ``B = q·M/2``, public (the expected data set size times q);
+* the score of canary ``i``: ``⟨final params − initial params, uᵢ⟩``. The audit guesses "in"
+  for the 150 highest scores and "out" for the 150 lowest (fixed before the run) and turns the
+  correct guesses into an ε lower bound at 95 % confidence, δ = 1e-6 (`privacy.audit_epsilon`).
 
-Why these sizes: the one-run bound of a Gaussian mechanism is loose (about 0.4 of the claimed
-ε here), so a fault is only visible if it multiplies the privacy loss well beyond that; a
-fault that adds √2·C (two leaves clipped apart) is not (it is listed, measured, below the
-claim), one that adds √16·C or takes σ to σ/4 is. Many canaries make the bound tighter, but the
-per-example gradients cost ``L·M`` floats each; 4000 canaries over 16 leaves keep the whole
-audit (all configurations) within a minute on 2 CPU cores. With ``q`` close to 1 almost every
-included canary is sampled at least once (an included canary never sampled is
-indistinguishable from an excluded one, which the sampling's amplification counts on).
+Why these sizes. The one-run bound of a Gaussian mechanism is loose (about 0.4 of the claimed ε
+here, as the paper finds), so a fault shows only if it multiplies the privacy loss well beyond
+that: σ → σ/4 or a sensitivity of 4·C does (16 micro-batches, 16 shards), σ = 0 and identical
+noise on the shards (noise-free scores) do; √2·C (two shards clipped apart) does not at any
+size that runs in CI (listed below the claim, measured). More canaries tighten the bound only
+logarithmically, while each per-example gradient costs ``L·M`` floats; 4000 canaries keep one
+run at ~10 s of CPU. δ = 1e-6 keeps the theorem's ``2·m·δ`` term small beside β = 0.05. With
+q = 0.9 and 2 updates, 99 % of the included canaries are sampled at least once (one never
+sampled looks excluded, which the accountant's amplification by sampling counts on).
 
-The faults are built here as small faulty update functions that reuse the library's pieces
-(`clipped_loss` per leaf, `dp_noise` with σ = 0 or its noise for one leaf), not through
-library options (a private front end refuses those).
+"mean" (the window's clipped sum divided by its realised number of micro-batches, the old
+``reduction="mean"``) is measured but not detected, and a one-run audit cannot be expected to
+see it: it divides every example's contribution (a canary's own included) by a count ≥ 1, so
+each canary's own signal shrinks; what it leaks is the size of the data set, which tells the
+auditor how many canaries are in, not which (given that number, each is equally likely in).
+The neighbouring-data-sets sensitivity test catches it (‖Δupdate‖·B up to 3.5·C).
+
+The faults are small faulty update functions built here from the library's pieces
+(`clipped_loss` per shard, `dp_noise` with σ = 0, one `dp_noise` draw reused on every shard),
+not library options (a private front end refuses those).
 
 Writes ``benchmarks/results/cpu/dp_audit.md`` (or ``--out DIR``).
 """
@@ -77,7 +88,10 @@ DELTA = 1e-6
 CONFIDENCE = 0.95
 GUESSES = 150  # k+ = k-
 SEED = 0
-SIGNS = np.where(np.arange(LEAVES) % 2 == 0, 1.0, -1.0)  # s_l: +1, -1, +1, ...
+SIGNS = np.where(np.arange(LEAVES) < LEAVES // 2, 1.0, -1.0)  # s_l: +1 on the first half
+
+
+MODEL = 2  # the model axis of the (data, model) layout
 
 
 class Config(NamedTuple):
@@ -86,10 +100,17 @@ class Config(NamedTuple):
   name: str
   fault: str | None  # None: the library's path as documented
   what: str  # one line for the table
+  layout: str = "data"  # "data": shard_map over 8 devices; "data_model": over (4, 2)
 
 
 CONFIGS = (
   Config("library", None, "the private path as documented"),
+  Config(
+    "library_data_model",
+    None,
+    "the same, in shard_map over (data 4, model 2), the weight's rows split over model",
+    "data_model",
+  ),
   Config("sigma_zero", "sigma_zero", "σ silently 0 (dp_noise(0.0, ...)), ε claimed for σ"),
   Config(
     "noise_per_microbatch",
@@ -99,22 +120,22 @@ CONFIGS = (
   Config(
     "per_shard_clipping",
     "per_shard_clipping",
-    "each of the 16 leaves (shards) clipped to C apart: one example reaches 4·C",
+    "each of the 16 shards (rows) clipped to C apart: one example reaches 4·C",
   ),
   Config(
     "identical_noise",
     "identical_noise",
-    "the same noise draw on every leaf (model shard)",
+    "the same noise draw on every model shard (row)",
   ),
   Config(
     "per_half_clipping",
     "per_half_clipping",
-    "two halves (8 leaves each) clipped to C apart: √2·C (not detectable at this size)",
+    "two halves (8 rows each) clipped to C apart: √2·C (too small for a one-run audit)",
   ),
   Config(
     "mean",
     "mean",
-    "'mean': the clipped sum divided by the realised number of micro-batches",
+    "'mean': the clipped sum divided by the realised number of micro-batches (undetectable)",
   ),
 )
 
@@ -134,6 +155,14 @@ def loss(params: dict, idx: jax.Array) -> jax.Array:
   on the parameters, so the final parameters are the sum of the noisy updates)."""
   scale = RAW * CLIP / math.sqrt(LEAVES)
   return -scale * jnp.sum(jnp.asarray(SIGNS, jnp.float32) @ params["w"][:, idx])
+
+
+def model_sharded_loss(params: dict, idx: jax.Array) -> jax.Array:
+  """`loss` inside ``shard_map`` over (data, model), this device holding its model shard's rows:
+  its part of the score, summed over the model axis as a model-parallel forward pass would."""
+  signs = jnp.asarray(SIGNS.reshape(MODEL, -1), jnp.float32)[lax.axis_index("model")]
+  part = -RAW * CLIP / math.sqrt(LEAVES) * jnp.sum(signs @ params["w"][:, idx])
+  return lax.psum(part, "model")
 
 
 def clipped_grad_fn(shards: int):
@@ -183,9 +212,9 @@ def scores(final: dict) -> np.ndarray:
   return SIGNS @ np.asarray(final["w"], np.float64) / math.sqrt(LEAVES)
 
 
-def train(fault: str | None, seed: int = SEED) -> tuple[dict, int]:
-  """One private training run with `fault` injected; returns the final parameters and the
-  noisy updates counted."""
+def train(fault: str | None, seed: int = SEED, layout: str = "data") -> tuple[dict, int]:
+  """One private training run with `fault` injected, on `layout`; returns the final parameters
+  and the noisy updates counted."""
   inc = included(seed)
   data = np.flatnonzero(inc).astype(np.int32)  # the data set: the included canaries
   expected = RATE * CANARIES / 2  # B, public
@@ -206,6 +235,8 @@ def train(fault: str | None, seed: int = SEED) -> tuple[dict, int]:
   )
   shards = {"per_shard_clipping": LEAVES, "per_half_clipping": 2}.get(fault, 1)
   grad = clipped_grad_fn(shards)
+  if layout == "data_model":
+    grad = jax.grad(privacy.clipped_loss(model_sharded_loss, CLIP, mask_argnum=2))
   # The faulty per-micro-batch noise: σC/K per micro-batch (the whole update's std divided by
   # K, not √K), drawn on each device with std σC/(K·√D) so that the all-reduce's sum has σC/K.
   micro_std = sigma() * CLIP / MICROBATCHES / math.sqrt(DEVICES)
@@ -220,9 +251,14 @@ def train(fault: str | None, seed: int = SEED) -> tuple[dict, int]:
     updates, state = tx.update(grads, state, params)
     return optax.apply_updates(params, updates), state
 
-  mesh = jax.make_mesh((DEVICES,), (AXIS,), devices=jax.devices()[:DEVICES])
-  pspec = {"w": P()}
-  params = {"w": jax.device_put(np.zeros((LEAVES, CANARIES), np.float32), NamedSharding(mesh, P()))}
+  if layout == "data_model":
+    mesh = jax.make_mesh((DEVICES // MODEL, MODEL), (AXIS, "model"), devices=jax.devices()[:8])
+    pspec = {"w": P("model")}
+  else:
+    mesh = jax.make_mesh((DEVICES,), (AXIS,), devices=jax.devices()[:DEVICES])
+    pspec = {"w": P()}
+  zeros = np.zeros((LEAVES, CANARIES), np.float32)
+  params = {"w": jax.device_put(zeros, NamedSharding(mesh, pspec["w"]))}
   sspec = oa.state_partition_specs(tx, pspec, AXIS)
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspec,), out_specs=sspec))
   step = jax.jit(
@@ -252,9 +288,9 @@ def train(fault: str | None, seed: int = SEED) -> tuple[dict, int]:
   return jax.tree.map(np.asarray, params), int(privacy.dp_updates(state))
 
 
-def audit(fault: str | None, seed: int = SEED) -> privacy.AuditResult:
-  """Trains once with `fault` and audits the final parameters."""
-  final, updates = train(fault, seed)
+def audit(fault: str | None, seed: int = SEED, layout: str = "data") -> privacy.AuditResult:
+  """Trains once with `fault` on `layout` and audits the final parameters."""
+  final, updates = train(fault, seed, layout)
   if updates != UPDATES:
     raise AssertionError(f"dp_updates counted {updates} noisy updates, expected {UPDATES}.")
   return privacy.audit_epsilon(
@@ -282,7 +318,7 @@ def report(results: dict[str, privacy.AuditResult], seconds: float, command: str
     f"{GUESSES} 'in' + {GUESSES} 'out' guesses, confidence {CONFIDENCE:.0%}, δ = {DELTA:g}. "
     f"Training: PoissonSampler batches, K = {MICROBATCHES} micro-batches per update, "
     f"accumulate(axis_name='data') in shard_map over {DEVICES} devices, a linear model of "
-    f"{LEAVES} leaves × {CANARIES}.",
+    f"weight ({LEAVES}, {CANARIES}), rows as model shards.",
     "",
     "| configuration | what | correct / guesses | ε lower bound | > claimed ε? |",
     "| --- | --- | --- | --- | --- |",
@@ -307,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict[str, privacy.AuditResult]:
   start = time.perf_counter()
   results = {}
   for cfg in CONFIGS:
-    results[cfg.name] = audit(cfg.fault)
+    results[cfg.name] = audit(cfg.fault, layout=cfg.layout)
     r = results[cfg.name]
     print(f"{cfg.name:22s} {r.num_correct:4d}/{r.num_guesses}  ε ≥ {r.epsilon:.3f}", flush=True)
   command = "XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/dp_audit.py"

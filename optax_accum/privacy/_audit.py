@@ -53,25 +53,30 @@ def _unit(value: Any, name: str, caller: str, *, closed_low: bool) -> float:
   return value
 
 
-def _binomial_pmf(r: int, epsilon: float) -> np.ndarray:
-  """``P[Binomial(r, e^ε/(1+e^ε)) = j]`` for j = 0..r, in float64 through log space."""
-  j = np.arange(r + 1)
-  log_choose = np.array(
-    [math.lgamma(r + 1) - math.lgamma(i + 1) - math.lgamma(r - i + 1) for i in j]
+def _log_choose(r: int) -> np.ndarray:
+  """``log C(r, j)`` for j = 0..r, in float64."""
+  return np.array(
+    [math.lgamma(r + 1) - math.lgamma(j + 1) - math.lgamma(r - j + 1) for j in range(r + 1)]
   )
+
+
+def _binomial_pmf(log_choose: np.ndarray, epsilon: float) -> np.ndarray:
+  """``P[Binomial(r, e^ε/(1+e^ε)) = j]`` for j = 0..r, in float64 through log space."""
+  j = np.arange(len(log_choose))
+  r = j[-1]
   log_q = -math.log1p(math.exp(-epsilon))  # log(e^ε / (1 + e^ε))
   log_1mq = -epsilon + log_q  # log(1 / (1 + e^ε))
   return np.exp(log_choose + j * log_q + (r - j) * log_1mq)
 
 
-def _p_value(v: int, r: int, m: int, epsilon: float, delta: float) -> float:
+def _p_value(v: int, log_choose: np.ndarray, m: int, epsilon: float, delta: float) -> float:
   """The theorem's bound on P[v or more correct guesses of r] under (ε, δ)-DP."""
-  pmf = _binomial_pmf(r, epsilon)
+  pmf = _binomial_pmf(log_choose, epsilon)
   tail = math.fsum(pmf[v:])  # f(v)
   if delta == 0 or v == 0:
     return min(tail, 1.0)
   # (f(v - i) - f(v)) / i = P[v - i <= W < v] / i: partial sums of pmf[v-1], pmf[v-2], ...
-  below = np.cumsum(pmf[v - 1 :: -1]) if v > 0 else np.zeros(0)
+  below = np.cumsum(pmf[v - 1 :: -1])
   alpha = float(np.max(below / np.arange(1, v + 1)))
   return min(tail + 2 * m * delta * alpha, 1.0)
 
@@ -125,8 +130,10 @@ def epsilon_lower_bound(
   d = _unit(delta, "delta", caller, closed_low=True)
   beta = 1.0 - _unit(confidence, "confidence", caller, closed_low=False)
 
+  log_choose = _log_choose(r)
+
   def rejected(eps: float) -> bool:  # is (eps, δ)-DP refuted at this confidence?
-    return _p_value(v, r, m, eps, d) < beta
+    return _p_value(v, log_choose, m, eps, d) < beta
 
   if r == 0 or not rejected(0.0):
     return 0.0
