@@ -1,0 +1,185 @@
+"""The one-run privacy audit (Steinke, Nasr, Jagielski 2023): its statistics, then the audit.
+
+Statistics (`privacy.epsilon_lower_bound`, `privacy.audit_epsilon`): against jax_privacy's
+implementation of the same theorem (its public `CanaryScoreAuditor.epsilon_one_run` at a fixed
+threshold), against the closed form when every guess is right and δ = 0, and its coverage
+computed exactly: an ε-randomised-response guesser (the worst ε-DP case) pushes the bound above ε
+with probability at most 1 - confidence.
+
+The audit (`benchmarks/dp_audit.py`, slow): one private training run per configuration on 8
+devices, 4000 gradient canaries. The library's path stays below the accountant's ε; each
+injected fault (σ silently 0, the noise per micro-batch divided by K instead of √K, per-shard
+clipping, identical noise on the model shards) is caught, its bound above the claimed ε. The
+runs are seeded, so every figure is deterministic (the benchmarks page shows them).
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+
+from optax_accum import privacy
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+# ----------------------------------------------------------------------------------------------
+# The statistics.
+
+
+@pytest.mark.parametrize(
+  "num_correct, num_guesses, num_canaries, delta",
+  [
+    (1000, 1000, 10_000, 1e-9),
+    (900, 1000, 10_000, 1e-5),
+    (450, 500, 5000, 1e-5),
+    (291, 300, 4000, 1e-6),
+    (95, 100, 100, 0.01),
+    (70, 100, 1000, 1e-7),
+    (7, 7, 50, 1e-4),
+  ],
+)
+def test_epsilon_lower_bound_matches_jax_privacy(num_correct, num_guesses, num_canaries, delta):
+  auditing = pytest.importorskip("jax_privacy.auditing")
+  # One-sided guesses at a threshold of 0.5: the `num_guesses` canaries scoring 1 are guessed
+  # "in", `num_correct` of them truly in; the others score 0.
+  n_in = num_correct + (num_canaries - num_guesses) // 2
+  in_scores = np.r_[np.ones(num_correct), np.zeros(n_in - num_correct)]
+  wrong = num_guesses - num_correct
+  out_scores = np.r_[np.ones(wrong), np.zeros(num_canaries - n_in - wrong)]
+  theirs = auditing.CanaryScoreAuditor(in_scores, out_scores).epsilon_one_run(
+    0.05, delta, threshold_strategy=auditing.Explicit(0.5)
+  )  # jax_privacy takes δ > 0 only; δ = 0 is the closed-form test below
+  ours = privacy.epsilon_lower_bound(
+    num_correct, num_guesses, num_canaries, delta=delta, confidence=0.95
+  )
+  assert ours == pytest.approx(theirs, abs=2e-6)  # their root finder stops at xtol=1e-6
+
+
+@pytest.mark.parametrize("guesses, confidence", [(1, 0.5), (100, 0.95), (1000, 0.99)])
+def test_epsilon_lower_bound_all_correct_is_the_closed_form(guesses, confidence):
+  # δ = 0, v = r: the p-value is q^r with q = e^ε / (1 + e^ε); q^r = β at the bound.
+  q = (1 - confidence) ** (1 / guesses)
+  expected = math.log(q / (1 - q))
+  got = privacy.epsilon_lower_bound(guesses, guesses, 10 * guesses, confidence=confidence)
+  assert got == pytest.approx(expected, abs=2e-9)
+
+
+@pytest.mark.parametrize("epsilon, guesses", [(0.5, 100), (1.0, 100), (2.0, 300)])
+def test_epsilon_lower_bound_covers_randomised_response_exactly(epsilon, guesses):
+  # ε-randomised response is ε-DP and right on each guess with probability q = e^ε/(1 + e^ε)
+  # (the best an ε-DP run allows): the probability that the bound exceeds ε, summed exactly
+  # over v ~ Binomial(r, q), is at most β = 5 %, and not far below it (the test is not vacuous).
+  q = 1 / (1 + math.exp(-epsilon))
+  exceed = 0.0
+  for v in range(guesses + 1):
+    if privacy.epsilon_lower_bound(v, guesses, 10 * guesses, confidence=0.95) > epsilon:
+      exceed += math.comb(guesses, v) * q**v * (1 - q) ** (guesses - v)
+  assert 0.02 < exceed <= 0.05
+
+
+def test_epsilon_lower_bound_grows_with_correct_guesses_and_shrinks_with_delta():
+  bounds = [privacy.epsilon_lower_bound(v, 300, 4000) for v in (200, 250, 290, 300)]
+  assert bounds == sorted(bounds) and bounds[0] > 0
+  with_delta = privacy.epsilon_lower_bound(290, 300, 4000, delta=1e-5)
+  assert 0 < with_delta < bounds[2]
+  assert privacy.epsilon_lower_bound(150, 300, 4000) == 0.0  # chance: nothing shown
+  assert privacy.epsilon_lower_bound(0, 0, 10) == 0.0  # no guesses
+
+
+def test_audit_epsilon_guesses_the_top_and_bottom_scores():
+  scores = np.array([5.0, 4.0, 3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
+  included = np.array([True, True, False, True, False, False, True, False])
+  res = privacy.audit_epsilon(scores, included, num_positive=3, num_negative=2, delta=1e-3)
+  # "in": scores 5, 4, 3 (2 right); "out": -1, -2 (1 right).
+  assert (res.num_correct, res.num_guesses, res.num_canaries) == (3, 5, 8)
+  assert res.epsilon == privacy.epsilon_lower_bound(3, 5, 8, delta=1e-3)
+  assert (res.delta, res.confidence) == (1e-3, 0.95)
+
+
+def test_audit_epsilon_breaks_ties_by_index_not_by_inclusion():
+  # All scores equal: the guesses are the first k+ and the last k- canaries, whatever is in.
+  included = np.array([False, False, True, True])
+  res = privacy.audit_epsilon(np.zeros(4), included, num_positive=2, num_negative=2)
+  assert res.num_correct == 0
+
+
+@pytest.mark.parametrize(
+  "args, kwargs, match",
+  [
+    ((5, 4, 10), {}, r"num_correct <= num_guesses <= num_canaries, got 5, 4, 10"),
+    ((1, 20, 10), {}, r"num_correct <= num_guesses <= num_canaries, got 1, 20, 10"),
+    ((1.0, 2, 10), {}, r"num_correct must be an int >= 0, got 1.0"),
+    ((1, 2, 0), {}, r"num_canaries must be an int >= 1, got 0"),
+    ((1, 2, 10), {"delta": 1.0}, r"delta must be in \[0, 1\), got 1.0"),
+    ((1, 2, 10), {"confidence": 1.0}, r"confidence must be in \(0, 1\), got 1.0"),
+  ],
+)
+def test_epsilon_lower_bound_rejects_bad_input(args, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    privacy.epsilon_lower_bound(*args, **kwargs)
+
+
+def test_epsilon_lower_bound_rejects_a_string_confidence():
+  with pytest.raises(TypeError, match=r"confidence must be a number, got '0.95'"):
+    privacy.epsilon_lower_bound(1, 2, 10, confidence="0.95")
+
+
+@pytest.mark.parametrize(
+  "scores, included, kwargs, match",
+  [
+    (np.zeros(4), np.zeros(3, bool), {"num_positive": 1}, r"shapes \(4,\) and \(3,\)"),
+    (np.zeros((2, 2)), np.zeros((2, 2), bool), {"num_positive": 1}, r"1-D arrays"),
+    (np.zeros(4), np.zeros(4), {"num_positive": 1}, r"included must be booleans, got dtype"),
+    (np.array([0, np.nan]), np.zeros(2, bool), {"num_positive": 1}, r"finite, got 1 not"),
+    (np.zeros(4), np.zeros(4, bool), {"num_positive": 3, "num_negative": 2}, r"at most the 4"),
+    (np.zeros(4), np.zeros(4, bool), {"num_positive": -1}, r"num_positive must be an int >= 0"),
+  ],
+)
+def test_audit_epsilon_rejects_bad_input(scores, included, kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    privacy.audit_epsilon(scores, included, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The audit of private training runs (benchmarks/dp_audit.py's design; one run per case).
+
+DETECTED = ("sigma_zero", "noise_per_microbatch", "per_shard_clipping", "identical_noise")
+
+
+@pytest.fixture(scope="module")
+def design():
+  pytest.importorskip("dp_accounting")
+  from benchmarks import dp_audit
+
+  claimed = {
+    acc: privacy.dp_epsilon(
+      dp_audit.UPDATES, dp_audit.RATE, dp_audit.sigma(), dp_audit.DELTA, accountant=acc
+    )
+    for acc in ("pld", "rdp")
+  }
+  return dp_audit, claimed
+
+
+@pytest.mark.slow  # one seeded private training run on 8 devices: ~10 s of CPU
+def test_audit_of_the_library_stays_below_the_accountants_epsilon(design):
+  dp_audit, claimed = design
+  res = dp_audit.audit(None)
+  assert (res.num_canaries, res.num_guesses, res.confidence) == (4000, 300, 0.95)
+  assert claimed["pld"] == pytest.approx(2.0, abs=1e-3)  # the claim the design was sized for
+  # The tighter (PLD) ε, so the RDP ε that dp_epsilon reports by default is above it too.
+  assert 0 < res.epsilon <= claimed["pld"] <= claimed["rdp"]
+
+
+@pytest.mark.slow  # one seeded private training run per fault on 8 devices: ~10 s of CPU each
+@pytest.mark.parametrize("fault", DETECTED)
+def test_audit_detects_an_injected_fault(design, fault):
+  dp_audit, claimed = design
+  res = dp_audit.audit(fault)
+  # Above the larger (RDP) claim: the run is shown not to be (ε, δ)-DP for the ε it would print.
+  assert res.epsilon > claimed["rdp"], (fault, res)
