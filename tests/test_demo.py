@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from optax_accum import demo
+from optax_accum.demo import digits
 
 pytestmark = pytest.mark.slow  # the demo's main job end to end: an integration test
 
@@ -53,7 +54,7 @@ def test_demo_main_three_methods_agree(tmp_path, capsys):
 )
 def test_demo_bad_flags_name_the_flag(argv, match, capsys):
   with pytest.raises(SystemExit):
-    demo.parse_args(argv)
+    digits.parse_args(argv)
   assert match in capsys.readouterr().err
 
 
@@ -111,3 +112,27 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   line = re.search(r"B_simple \(gradient noise scale, TrainStep.*\): ([\d,]+) tokens", out)
   assert line and float(line.group(1).replace(",", "")) == pytest.approx(b_simple[-1], abs=0.5)
   assert f"{b_simple[-1]:,.0f} tokens" in table
+
+
+def test_demo_package_is_imported_by_nothing_in_the_library():
+  """The demos sit on top of the library, in a folder of their own: no library module imports
+  them (`python -m optax_accum.demo` imports the library, never the other way round)."""
+  import pathlib
+
+  import optax_accum
+
+  root = pathlib.Path(optax_accum.__file__).parent
+  library = [p for p in root.rglob("*.py") if "demo" not in p.relative_to(root).parts]
+  assert len(library) > 20
+  pattern = re.compile(
+    r"^\s*(from|import)\s+optax_accum\.demo|^\s*from\s+optax_accum\s+import\s+.*\bdemo\b|^\s*from\s+\.+demo\b",
+    re.M,
+  )
+  importers = [str(p.relative_to(root)) for p in library if pattern.search(p.read_text())]
+  assert importers == []
+  assert sorted(p.name for p in (root / "demo").iterdir() if p.suffix == ".py") == [
+    "__init__.py",
+    "__main__.py",
+    "digits.py",
+    "dp.py",
+  ]

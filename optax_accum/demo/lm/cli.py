@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import jax
 
-from optax_accum._lm import budget, data, methods, model, report, require
+from optax_accum.demo.lm import budget, data, methods, model, report, require
 
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
 PRESETS = {
@@ -171,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
   for module in ("flax", "grain", "tqdm", "matplotlib"):
     require(module)
   if args.checkpoint_dir:
-    from optax_accum._lm import resume  # noqa: PLC0415
+    from optax_accum.demo.lm import resume  # noqa: PLC0415
 
     return resume.main(args)
   graphdef, params0 = model.init(args.cfg, args.seed)

@@ -34,7 +34,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._lm import budget, data, model, require, run_config
+from optax_accum.demo.lm import budget, data, model, require, run_config
 
 AXIS = "data"
 STOP_AT = "OPTAX_ACCUM_LM_STOP_AT"

@@ -28,7 +28,7 @@ import optax
 
 import optax_accum
 from optax_accum import _hlo
-from optax_accum._lm import model
+from optax_accum.demo.lm import model
 
 METHODS = ("large batch", "TrainStep", "microbatch", "naive")
 # The float32 floor: the large batch again, its micro-batches concatenated in reverse order. Its
@@ -224,7 +224,7 @@ def train(names: Sequence[str], loss, params0, windows, lr: float, progress: boo
   Returns:
     One `Result` per name, in the order of `names`.
   """
-  from optax_accum._lm import require  # noqa: PLC0415
+  from optax_accum.demo.lm import require  # noqa: PLC0415
 
   tqdm = require("tqdm").tqdm
   runs = [_Run(name, loss, params0, windows, lr) for name in names]

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 import optax_accum
+from optax_accum.demo.digits import load_digits  # the digits, as the digits task has them
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
@@ -132,8 +133,6 @@ def train_plain(args, params, x, y) -> Any:
 
 def main(argv: Sequence[str]) -> dict:
   """Runs the DP task; returns its figures (ε, δ, σ, updates, micro-steps, accuracies)."""
-  from optax_accum.demo import load_digits  # noqa: PLC0415  (the digits, as the main job has them)
-
   args = parse_args(argv)
   (x, y), (x_test, y_test) = load_digits(seed=args.seed)
   q = args.batch_size / len(x)
