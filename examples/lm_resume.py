@@ -77,6 +77,20 @@ def real_tokens(batch):
   return jnp.sum(batch["mask"])
 
 
+def positive_int(text):
+  """An argparse type: an int ≥ 1 (``argument --k: must be a positive int, got '0'``)."""
+  if not text.strip().lstrip("+").isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+  return int(text)
+
+
+def uint32(text):
+  """An argparse type: an int in [0, 2**32), what `jax.random.key` and grain take."""
+  if not text.strip().lstrip("+").isdigit() or int(text) >= 2**32:
+    raise argparse.ArgumentTypeError(f"must be an int in [0, 2**32), got {text!r}")
+  return int(text)
+
+
 def refuse_other_config(saved, config):
   """Exits naming every setting that differs from the one the checkpoints were written with
   (``steps`` may differ: more steps extend the run)."""
@@ -119,11 +133,11 @@ def restore(manager, params, state, iterator, config):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dir", required=True, help="checkpoint directory (resumed if it has any)")
-  p.add_argument("--k", type=int, default=5, help="micro-batches per optimizer step")
-  p.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
-  p.add_argument("--steps", type=int, default=4, help="optimizer steps")
-  p.add_argument("--every", type=int, default=4, help="micro-steps between checkpoints")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--k", type=positive_int, default=5, help="micro-batches per optimizer step")
+  p.add_argument("--rows", type=positive_int, default=4, help="sequences per micro-batch")
+  p.add_argument("--steps", type=positive_int, default=4, help="optimizer steps")
+  p.add_argument("--every", type=positive_int, default=4, help="micro-steps between checkpoints")
+  p.add_argument("--seed", type=uint32, default=0)
   args = p.parse_args(argv)
   config = {"k": args.k, "rows": args.rows, "steps": args.steps, "seed": args.seed}
   config.update(lr=1e-2, seq_len=64, width=32, data="+".join(FILES))

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # processes killed and restarted: an integration test
+# The runs: processes killed and restarted, integration tests (slow); the flag checks are not.
+slow = pytest.mark.slow
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "lm_resume.py"
 TOTAL = 20  # the script's defaults: k = 5, 4 optimizer steps
@@ -46,6 +47,7 @@ def _killed_at(directory, line: str) -> None:
   assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
 
 
+@slow
 def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   want = _run(tmp_path / "uninterrupted")
   assert want.returncode == 0, want.stderr[-3000:]
@@ -68,16 +70,43 @@ def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   assert not np.array_equal(ref["head"], _initial_head())  # it trained
 
 
-def _initial_head() -> np.ndarray:
+def _example():
+  """examples/lm_resume.py as a module."""
   sys.path.insert(0, str(SCRIPT.parent))
   try:
     import lm_resume  # noqa: PLC0415
 
-    return np.asarray(lm_resume.init_params(0, 32, 64)["head"])
+    return lm_resume
   finally:
     sys.path.remove(str(SCRIPT.parent))
 
 
+def _initial_head() -> np.ndarray:
+  return np.asarray(_example().init_params(0, 32, 64)["head"])
+
+
+@pytest.mark.parametrize(
+  "flag, value, needs",
+  [
+    ("--k", "0", "a positive int"),
+    ("--every", "0", "a positive int"),
+    ("--rows", "0", "a positive int"),
+    ("--steps", "-2", "a positive int"),
+    ("--k", "2.5", "a positive int"),
+    ("--seed", "-1", "an int in [0, 2**32)"),
+  ],
+)
+def test_lm_example_bad_flags_are_argparse_errors(flag, value, needs, tmp_path, capsys):
+  # argparse refuses before anything is built: no process, no training.
+  with pytest.raises(SystemExit) as exit:
+    _example().main(["--dir", str(tmp_path / "run"), flag, value])
+  assert exit.value.code == 2
+  err = capsys.readouterr().err
+  assert f"error: argument {flag}: must be {needs}, got {value!r}" in err, err
+  assert not (tmp_path / "run").exists()  # nothing written
+
+
+@slow
 def test_lm_example_refuses_another_configuration(tmp_path):
   first = _run(tmp_path, "--steps", "2")
   assert first.returncode == 0, first.stderr[-3000:]

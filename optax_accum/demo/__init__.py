@@ -18,7 +18,9 @@ importing these modules never needs them.
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import math
 import sys
 from collections.abc import Sequence
 
@@ -70,6 +72,42 @@ def require(module: str, command: str = COMMAND):
       f"`{command}` needs {package!r}, which is not installed. Install it:\n\n    {how}\n\n"
       "(or, from a clone of the repository: pip install -e '.[examples]')."
     ) from e
+
+
+def number(kind: type, test, needs: str):
+  """An argparse `type`: parses `kind`, then checks it (``argument --x: must be ..., got ...``).
+
+  Args:
+    kind: the type to parse (`int`, `float`).
+    test: the check the parsed value must pass.
+    needs: what the value must be, said in the error.
+
+  Returns:
+    The `type=` function for `argparse.ArgumentParser.add_argument`.
+
+  >>> p = argparse.ArgumentParser(prog="demo", exit_on_error=False)
+  >>> _ = p.add_argument("--clip", type=POSITIVE)
+  >>> p.parse_args(["--clip", "inf"])
+  Traceback (most recent call last):
+  argparse.ArgumentError: argument --clip: must be a positive finite number, got 'inf'
+  """
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}") from None
+    if not test(value):
+      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}")
+    return value
+
+  parse.__name__ = needs
+  return parse
+
+
+POSITIVE_INT = number(int, lambda v: v >= 1, "a positive int")
+NON_NEGATIVE_INT = number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
+POSITIVE = number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 
 
 def main(argv: Sequence[str] | None = None):

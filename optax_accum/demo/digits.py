@@ -64,10 +64,16 @@ class Result:
   b_simple: np.ndarray | None = None
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2):
+# scikit-learn's digits: 1797 images, 359 of them (20%) held out for the test set.
+DIGITS, TEST_FRACTION = 1797, 0.2
+TRAIN_EXAMPLES = DIGITS - int(round(TEST_FRACTION * DIGITS))  # 1438: flags are checked against it
+
+
+def load_digits(seed: int = 0, test_fraction: float = TEST_FRACTION):
   """scikit-learn's 8x8 handwritten digits, scaled to [0, 1], split into train and test."""
   datasets = _require("sklearn.datasets")
   x, y = datasets.load_digits(return_X_y=True)
+  assert len(x) == DIGITS, f"scikit-learn's digits: {len(x)} images, not {DIGITS}"
   x = (x / 16.0).astype(np.float32)
   y = y.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(x))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -14,6 +13,7 @@ from collections.abc import Sequence
 
 import jax
 
+from optax_accum.demo import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
 from optax_accum.demo.lm import budget, data, methods, model, report, require
 
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
@@ -26,27 +26,6 @@ PRESETS = {
   "gpu": (model.Config(seq_len=256, width=512, heads=8, layers=6), 256, 30, 16384, 4096.0),
 }
 EVAL_DOCS = 256
-
-
-def _number(kind: type, test, needs: str):
-  """An argparse `type`: parses `kind`, then checks it (``argument --x: must be ..., got ...``)."""
-
-  def parse(text: str):
-    try:
-      value = kind(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}") from None
-    if not test(value):
-      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}")
-    return value
-
-  parse.__name__ = needs
-  return parse
-
-
-POSITIVE_INT = _number(int, lambda v: v >= 1, "a positive int")
-NON_NEGATIVE_INT = _number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
-POSITIVE = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 
 
 def _writable_dir(p: argparse.ArgumentParser, flag: str, path: str) -> None:
