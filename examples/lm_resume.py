@@ -7,13 +7,16 @@ with Orbax, and resume it after a crash — in the middle of a window — to the
 Every ``--every`` micro-steps an Orbax `CheckpointManager` saves, asynchronously, the
 parameters, the `TrainStep` state (the open window's weighted sums and position included), the
 grain iterator's position and this run's configuration. A resume under another configuration
-refuses and says what to do. Public names only: `optax_accum.TrainStep`, `orbax.checkpoint`,
-`grain.MapDataset`. Needs ``pip install 'optax-accum[examples]' orbax-checkpoint``.
+refuses and says what to do. Ctrl-C stops the run after the current micro-step, with a checkpoint
+there, and says where it will resume (Ctrl-C again: at once, from the latest finished one).
+Public names only: `optax_accum.TrainStep`, `orbax.checkpoint`, `grain.MapDataset`. Needs
+``pip install 'optax-accum[examples]'`` (orbax-checkpoint and grain included).
 """
 
 import argparse
 import os
 import pathlib
+import signal
 import sys
 import sysconfig
 
@@ -103,6 +106,24 @@ def refuse_other_config(saved, config):
     sys.exit(f"refusing to resume: {said}. Resume with {again}, or give a new --dir.")
 
 
+class StopOnCtrlC:
+  """Ctrl-C (SIGINT) sets `requested` instead of raising `KeyboardInterrupt` in the middle of a
+  step or of an asynchronous save (whose threads would then fail at exit, hundreds of lines of
+  tracebacks); the loop saves, closes the manager and stops. A second Ctrl-C exits at once:
+  Orbax writes into a temporary directory, so a checkpoint cut short is never restored."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGINT, self.stop)
+
+  def stop(self, signum, frame):
+    if self.requested:
+      print("interrupted again: exiting now", file=sys.stderr, flush=True)
+      os._exit(130)
+    self.requested = True
+    print("interrupted: stopping after this micro-step", file=sys.stderr, flush=True)
+
+
 def save_args(params, state, iterator, config):
   return ocp.args.Composite(
     params=ocp.args.StandardSave(params),
@@ -156,11 +177,20 @@ def main(argv=None):
     if done > total:
       past = f"the checkpoints are at micro-step {done}, past --steps {args.steps} ({total})"
       sys.exit(f"refusing to resume: {past}. Give more --steps, or a new --dir.")
+  ctrl_c = StopOnCtrlC()
   for n in range(done + 1, total + 1):
     params, state, value = step(params, state, next(iterator))
-    manager.save(n, args=save_args(params, state, iterator, config), force=n == total)
+    stopping = ctrl_c.requested and n < total
+    manager.save(n, args=save_args(params, state, iterator, config), force=n == total or stopping)
     print(f"micro-step {n}/{total}, loss {float(value):.4f}", flush=True)
+    if stopping:
+      manager.wait_until_finished()
+      manager.close()
+      at = f"micro-step {n}, window position {int(state.mini_step)}/{args.k}"
+      print(f"interrupted: saved at {at}; run the same command to resume from there", flush=True)
+      sys.exit(130)
   manager.wait_until_finished()
+  manager.close()
   np.savez(os.path.join(args.dir, "final_params.npz"), **jax.device_get(params))
   print(f"done: {int(state.gradient_step)} optimizer steps; parameters in {args.dir}")
 

@@ -74,9 +74,13 @@ def test_demo_missing_extra_says_how_to_install(monkeypatch):
 
 
 def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
-  results = demo.main(["lm", "--quick", "--no-progress", "--out", str(tmp_path)])
+  results = demo.main(["lm", "--quick", "--out", str(tmp_path)])
   names = [r.name for r in results]
   assert names == ["large batch", "TrainStep", "microbatch", "naive", "large batch, reordered"]
+  captured = capsys.readouterr()
+  # No silent phase: the set-up, each method's compilation, then a bar per method (stderr).
+  for shown in ["setup", "planning under the memory budget", "compiling", *names, "8/8"]:
+    assert shown in captured.err, (shown, captured.err[-3000:])
   large, ours, naive, floor = results[0], results[1:3], results[3], results[4]
   assert large.losses[-1] < large.losses[0] - 1.0  # it trained
   for r in ours:
@@ -87,7 +91,7 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   assert naive.max_param_diff > 100 * max(r.max_param_diff for r in ours)
   assert np.max(np.abs(naive.losses - large.losses)) > 1e-4
   assert np.max(np.abs(naive.reported - naive.losses)) > 1e-3  # the mean of means it shows
-  out = capsys.readouterr().out
+  out = captured.out
   budget, large_peak, k, k_peak = re.search(
     r"memory budget ([\d.]+) MiB: .* needs ([\d.]+) MiB .* k=(\d+) micro-batches of \d+, "
     r"gradient program peak ([\d.]+) MiB",

@@ -11,7 +11,11 @@ from optax_accum import demo
 @pytest.mark.slow  # the DP task end to end: an integration test
 def test_dp_demo_quick_accounts_updates_and_learns(capsys):
   out = demo.main(["dp", "--quick", "--epsilon", "3.0"])
-  printed = capsys.readouterr().out
+  captured = capsys.readouterr()
+  printed = captured.out
+  # Progress on stderr: the set-up phases, then a bar per run, each "compiling …" at first.
+  for shown in ("calibrating σ", "private", "non-private", "40/40", "compiling …"):
+    assert shown in captured.err, (shown, captured.err[-2000:])
   assert out["updates"] == 40  # --quick: 40 noisy updates, each a Poisson batch
   assert out["micro_steps"] > 4 * out["updates"]  # a logical batch is many micro-steps
   q = 256 / 1438

@@ -1,4 +1,5 @@
-"""`examples/lm_resume.py`, the language-model guide's recipe, run as a user runs it: killed with
+"""`examples/lm_resume.py`, the language-model guide's recipe, run as a user runs it: interrupted
+with SIGINT (Ctrl-C) mid-window, it saves, prints a few lines and no traceback; killed with
 SIGKILL mid-window and started again on the same directory, it ends with the parameters of a run
 never interrupted, bit for bit; started under another configuration, it refuses.
 
@@ -48,12 +49,43 @@ def _killed_at(directory, line: str) -> None:
 
 
 @slow
+def _interrupted_at(directory, line: str) -> tuple[int, int, list[str]]:
+  """Starts the script, sends it SIGINT (what Ctrl-C sends) as soon as it prints `line`, lets it
+  stop by itself; returns the micro-step and window position it saved at, and the lines it
+  printed after `line` (stdout and stderr)."""
+  command = [sys.executable, str(SCRIPT), "--dir", str(directory)]
+  proc = subprocess.Popen(
+    command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  seen = []
+  for out in proc.stdout:
+    seen.append(out)
+    if out.startswith(line):
+      proc.send_signal(signal.SIGINT)
+      break
+  after = proc.stdout.read().splitlines()
+  assert proc.wait(timeout=120) == 130, "".join(seen) + "\n".join(after)
+  saved = re.fullmatch(
+    r"interrupted: saved at micro-step (\d+), window position (\d+)/5; run the same command to "
+    r"resume from there",
+    after[-1],
+  )
+  assert saved, after
+  return int(saved[1]), int(saved[2]), after
+
+
 def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   want = _run(tmp_path / "uninterrupted")
   assert want.returncode == 0, want.stderr[-3000:]
 
   ckpt = tmp_path / "killed"
-  _killed_at(ckpt, "micro-step 9/")
+  # Interrupted after micro-step 6 (position 1/5): it stops after that one or a next one, before
+  # the window's end at 10 unless the machine stalls it for 3 micro-steps.
+  step, position, after = _interrupted_at(ckpt, "micro-step 6/")
+  assert 6 <= step < 10 and position == step % 5, after
+  assert "interrupted: stopping after this micro-step" in after, after
+  assert len(after) <= 2 + (step - 6) and not any("Traceback" in a for a in after), after
+  _killed_at(ckpt, "micro-step 13/")
   resumed = _run(ckpt)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   step, position = map(int, re.search(r"resumed after micro-step (\d+): window position (\d+)/5",

@@ -12,8 +12,8 @@ Three tasks, each a module of this package; nothing in the library imports them:
   (Poisson batches far larger than the micro-batch), ε and δ reported.
 
 The optional dependencies (the ``examples`` extra: flax, scikit-learn, tqdm, matplotlib, grain,
-dp-accounting; orbax-checkpoint for the checkpointed run) are imported where they are used, so
-importing these modules never needs them.
+orbax-checkpoint, dp-accounting) are imported where they are used, so importing these modules
+never needs them.
 """
 
 from __future__ import annotations
@@ -66,8 +66,6 @@ def require(module: str, command: str = COMMAND):
   except ImportError as e:
     package = _EXTRAS.get(module.split(".")[0], module.split(".")[0])
     how = "pip install 'optax-accum[examples]'"
-    if package == "orbax-checkpoint":
-      how = "pip install orbax-checkpoint"
     raise ImportError(
       f"`{command}` needs {package!r}, which is not installed. Install it:\n\n    {how}\n\n"
       "(or, from a clone of the repository: pip install -e '.[examples]')."
@@ -108,6 +106,42 @@ def number(kind: type, test, needs: str):
 POSITIVE_INT = number(int, lambda v: v >= 1, "a positive int")
 NON_NEGATIVE_INT = number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
 POSITIVE = number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
+
+
+class Phases:
+  """A progress bar over a task's phases, naming the one running (``compiling TrainStep …``).
+
+  Every phase of a demo that can take more than a couple of seconds (model set-up, compiling,
+  planning) shows on it, so no stretch of the run is silent. Hidden with ``progress=False``.
+
+  Args:
+    total: the number of phases.
+    desc: the bar's label.
+    progress: whether to show it.
+
+  >>> phases = Phases(2, "setup", progress=False)
+  >>> phases("the model"); phases("compiling"); phases.close()
+  """
+
+  def __init__(self, total: int, desc: str, progress: bool = True):
+    tqdm = require("tqdm").tqdm
+    fmt = "{desc}: {n_fmt}/{total_fmt} {postfix} [{elapsed}]"
+    self._bar = tqdm(total=total, desc=desc, disable=not progress, leave=True, bar_format=fmt)
+    self._running = False
+
+  def __call__(self, what: str) -> None:
+    """Ends the running phase (if any) and starts `what`."""
+    if self._running:
+      self._bar.update(1)
+    self._running = True
+    self._bar.set_postfix_str(f"{what} …", refresh=True)
+
+  def close(self) -> None:
+    """Ends the last phase."""
+    if self._running:
+      self._bar.update(1)
+    self._bar.set_postfix_str("done", refresh=True)
+    self._bar.close()
 
 
 def main(argv: Sequence[str] | None = None):

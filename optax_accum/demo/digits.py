@@ -179,15 +179,16 @@ def train(
   micro = [idx[:, i::k] for i in range(k)] if accumulating else [idx]
   shape_x = x_train[micro[0][0]]
   shape_y = y_train[micro[0][0]]
+  bar = tqdm(total=steps, desc=f"{method:>11}", disable=not progress, leave=True)
+  bar.set_postfix_str("compiling …", refresh=True)
   compiled = (
     jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, shape_x, shape_y).compile()
   )
   peak, temp = _memory(compiled)
 
   losses, b_simple = np.zeros(steps, np.float64), np.full(steps, np.nan)
-  bar = tqdm(range(steps), desc=f"{method:>11}", disable=not progress, leave=True)
   start = time.perf_counter()
-  for s in bar:
+  for s in range(steps):
     step_loss = []
     for rows in micro:
       params, opt_state, (loss, noise) = compiled(
@@ -198,7 +199,8 @@ def train(
     losses[s], b_simple[s] = float(np.mean(jax.device_get(step_loss))), float(noise)
     if s % 20 == 0 or s == steps - 1:
       postfix = {"B_simple": f"{b_simple[s]:.2f}"} if accumulating else {}
-      bar.set_postfix(loss=f"{losses[s]:.4f}", **postfix)
+      bar.set_postfix(loss=f"{losses[s]:.4f}", **postfix, refresh=False)
+    bar.update(1)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   bar.close()

@@ -28,7 +28,16 @@ import numpy as np
 import optax
 
 import optax_accum
-from optax_accum.demo import COMMAND, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, digits, number
+from optax_accum.demo import (
+  COMMAND,
+  NON_NEGATIVE_INT,
+  POSITIVE,
+  POSITIVE_INT,
+  Phases,
+  digits,
+  number,
+  require,
+)
 
 DELTA = number(float, lambda v: 0 < v < 1, "in (0, 1)")
 
@@ -105,6 +114,7 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
     reduction="sum",
   )
   state, micro_steps = step.init(params), 0
+  bar = _bar(args, "private")
   for _ in range(args.updates):
     batch = next(sampler)
     for i in range(batch.num_microbatches):
@@ -113,7 +123,19 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
       last = i == batch.num_microbatches - 1
       params, state, _ = step(params, state, x[idx], y[idx], batch.mask[rows], force_emit=last)
       micro_steps += 1
+    bar.set_postfix_str(f"{micro_steps} micro-steps", refresh=False)
+    bar.update(1)
+  bar.close()
   return params, state, micro_steps
+
+
+def _bar(args, desc: str):
+  """A bar over the updates; it says "compiling …" until the first one is done."""
+  bar = require("tqdm").tqdm(
+    total=args.updates, desc=f"{desc:>11}", unit="update", disable=args.no_progress, leave=True
+  )
+  bar.set_postfix_str("compiling …", refresh=True)
+  return bar
 
 
 def train_plain(args, params, x, y) -> Any:
@@ -128,18 +150,28 @@ def train_plain(args, params, x, y) -> Any:
     return optax.apply_updates(params, updates), state
 
   state = opt.init(params)
+  bar = _bar(args, "non-private")
   for _ in range(args.updates):
     idx = rng.choice(len(x), args.batch_size, replace=False)
     params, state = step(params, state, x[idx], y[idx])
+    bar.set_postfix_str("", refresh=False)
+    bar.update(1)
+  bar.close()
   return params
 
 
 def main(argv: Sequence[str]) -> dict:
   """Runs the DP task; returns its figures (ε, δ, σ, updates, micro-steps, accuracies)."""
   args = parse_args(argv)
+  for module in ("sklearn", "tqdm", "dp_accounting"):
+    require(module, command=f"{COMMAND} dp")
+  phases = Phases(2, "setup", progress=not args.no_progress)
+  phases("the digits")
   (x, y), (x_test, y_test) = digits.load_digits(seed=args.seed)
   q = args.batch_size / len(x)
+  phases(f"calibrating σ for ε={args.epsilon} (the accountant)")
   sigma = optax_accum.privacy.dp_noise_multiplier(args.epsilon, args.updates, q, args.delta)
+  phases.close()
   params0 = init_mlp(jax.random.key(args.seed), (x.shape[1], args.hidden, 10))
   print(
     f"digits: {len(x)} train / {len(x_test)} test, MLP 64-{args.hidden}-10; Poisson q={q:.4f} "

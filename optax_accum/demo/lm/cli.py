@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import jax
 
-from optax_accum.demo import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT
+from optax_accum.demo import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, Phases
 from optax_accum.demo.lm import budget, data, methods, model, report, require
 
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
@@ -153,11 +153,16 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
     from optax_accum.demo.lm import resume  # noqa: PLC0415
 
     return resume.main(args)
+  phases = Phases(3, "setup", progress=not args.no_progress)
+  phases("the model")
   graphdef, params0 = model.init(args.cfg, args.seed)
   loss = model.loss_fn(graphdef)
+  phases("the corpus")
   (tokens, mask), held_out = corpus(args)
+  phases("planning under the memory budget: compiling the gradient program for each k")
   plan = budget.plan(loss, params0, args.batch_size, args.cfg.seq_len,
                      int(args.memory_budget_mib * budget.MIB))  # fmt: skip
+  phases.close()
   k = args.k or plan.num_microbatches
   n_params = sum(x.size for x in jax.tree.leaves(params0))
   print(
