@@ -198,7 +198,7 @@ PARTS = ("convex", "lm")
 
 def lm(steps: int, log=print) -> list[dict]:
   """The recipe at K_LARGE micro-batches, the adaptive run from K_SMALL, and K_SMALL fixed."""
-  from optax_accum._lm import data, model  # noqa: PLC0415
+  from optax_accum.demo.lm import data, model  # noqa: PLC0415
 
   cfg = model.Config(seq_len=64, width=64, heads=4, layers=2)
   graphdef, params0 = model.init(cfg, 0)

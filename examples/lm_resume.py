@@ -7,13 +7,16 @@ with Orbax, and resume it after a crash — in the middle of a window — to the
 Every ``--every`` micro-steps an Orbax `CheckpointManager` saves, asynchronously, the
 parameters, the `TrainStep` state (the open window's weighted sums and position included), the
 grain iterator's position and this run's configuration. A resume under another configuration
-refuses and says what to do. Public names only: `optax_accum.TrainStep`, `orbax.checkpoint`,
-`grain.MapDataset`. Needs ``pip install 'optax-accum[examples]' orbax-checkpoint``.
+refuses and says what to do. Ctrl-C stops the run after the current micro-step, with a checkpoint
+there, and says where it will resume (Ctrl-C again: at once, from the latest finished one).
+Public names only: `optax_accum.TrainStep`, `orbax.checkpoint`, `grain.MapDataset`. Needs
+``pip install 'optax-accum[examples]'`` (orbax-checkpoint and grain included).
 """
 
 import argparse
 import os
 import pathlib
+import signal
 import sys
 import sysconfig
 
@@ -77,6 +80,20 @@ def real_tokens(batch):
   return jnp.sum(batch["mask"])
 
 
+def positive_int(text):
+  """An argparse type: an int ≥ 1 (``argument --k: must be a positive int, got '0'``)."""
+  if not text.strip().lstrip("+").isdigit() or int(text) < 1:
+    raise argparse.ArgumentTypeError(f"must be a positive int, got {text!r}")
+  return int(text)
+
+
+def uint32(text):
+  """An argparse type: an int in [0, 2**32), what `jax.random.key` and grain take."""
+  if not text.strip().lstrip("+").isdigit() or int(text) >= 2**32:
+    raise argparse.ArgumentTypeError(f"must be an int in [0, 2**32), got {text!r}")
+  return int(text)
+
+
 def refuse_other_config(saved, config):
   """Exits naming every setting that differs from the one the checkpoints were written with
   (``steps`` may differ: more steps extend the run)."""
@@ -87,6 +104,24 @@ def refuse_other_config(saved, config):
     )
     again = " ".join(f"--{key} {saved[key]}" for key in changed)
     sys.exit(f"refusing to resume: {said}. Resume with {again}, or give a new --dir.")
+
+
+class StopOnCtrlC:
+  """Ctrl-C (SIGINT) sets `requested` instead of raising `KeyboardInterrupt` in the middle of a
+  step or of an asynchronous save (whose threads would then fail at exit, hundreds of lines of
+  tracebacks); the loop saves, closes the manager and stops. A second Ctrl-C exits at once:
+  Orbax writes into a temporary directory, so a checkpoint cut short is never restored."""
+
+  def __init__(self):
+    self.requested = False
+    signal.signal(signal.SIGINT, self.stop)
+
+  def stop(self, signum, frame):
+    if self.requested:
+      print("interrupted again: exiting now", file=sys.stderr, flush=True)
+      os._exit(130)
+    self.requested = True
+    print("interrupted: stopping after this micro-step", file=sys.stderr, flush=True)
 
 
 def save_args(params, state, iterator, config):
@@ -119,11 +154,11 @@ def restore(manager, params, state, iterator, config):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--dir", required=True, help="checkpoint directory (resumed if it has any)")
-  p.add_argument("--k", type=int, default=5, help="micro-batches per optimizer step")
-  p.add_argument("--rows", type=int, default=4, help="sequences per micro-batch")
-  p.add_argument("--steps", type=int, default=4, help="optimizer steps")
-  p.add_argument("--every", type=int, default=4, help="micro-steps between checkpoints")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--k", type=positive_int, default=5, help="micro-batches per optimizer step")
+  p.add_argument("--rows", type=positive_int, default=4, help="sequences per micro-batch")
+  p.add_argument("--steps", type=positive_int, default=4, help="optimizer steps")
+  p.add_argument("--every", type=positive_int, default=4, help="micro-steps between checkpoints")
+  p.add_argument("--seed", type=uint32, default=0)
   args = p.parse_args(argv)
   config = {"k": args.k, "rows": args.rows, "steps": args.steps, "seed": args.seed}
   config.update(lr=1e-2, seq_len=64, width=32, data="+".join(FILES))
@@ -142,11 +177,20 @@ def main(argv=None):
     if done > total:
       past = f"the checkpoints are at micro-step {done}, past --steps {args.steps} ({total})"
       sys.exit(f"refusing to resume: {past}. Give more --steps, or a new --dir.")
+  ctrl_c = StopOnCtrlC()
   for n in range(done + 1, total + 1):
     params, state, value = step(params, state, next(iterator))
-    manager.save(n, args=save_args(params, state, iterator, config), force=n == total)
+    stopping = ctrl_c.requested and n < total
+    manager.save(n, args=save_args(params, state, iterator, config), force=n == total or stopping)
     print(f"micro-step {n}/{total}, loss {float(value):.4f}", flush=True)
+    if stopping:
+      manager.wait_until_finished()
+      manager.close()
+      at = f"micro-step {n}, window position {int(state.mini_step)}/{args.k}"
+      print(f"interrupted: saved at {at}; run the same command to resume from there", flush=True)
+      sys.exit(130)
   manager.wait_until_finished()
+  manager.close()
   np.savez(os.path.join(args.dir, "final_params.npz"), **jax.device_get(params))
   print(f"done: {int(state.gradient_step)} optimizer steps; parameters in {args.dir}")
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from optax_accum import demo
+from optax_accum.demo import digits
 
 pytestmark = pytest.mark.slow  # the demo's main job end to end: an integration test
 
@@ -53,7 +54,7 @@ def test_demo_main_three_methods_agree(tmp_path, capsys):
 )
 def test_demo_bad_flags_name_the_flag(argv, match, capsys):
   with pytest.raises(SystemExit):
-    demo.parse_args(argv)
+    digits.parse_args(argv)
   assert match in capsys.readouterr().err
 
 
@@ -73,9 +74,13 @@ def test_demo_missing_extra_says_how_to_install(monkeypatch):
 
 
 def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
-  results = demo.main(["lm", "--quick", "--no-progress", "--out", str(tmp_path)])
+  results = demo.main(["lm", "--quick", "--out", str(tmp_path)])
   names = [r.name for r in results]
   assert names == ["large batch", "TrainStep", "microbatch", "naive", "large batch, reordered"]
+  captured = capsys.readouterr()
+  # No silent phase: the set-up, each method's compilation, then a bar per method (stderr).
+  for shown in ["setup", "planning under the memory budget", "compiling", *names, "8/8"]:
+    assert shown in captured.err, (shown, captured.err[-3000:])
   large, ours, naive, floor = results[0], results[1:3], results[3], results[4]
   assert large.losses[-1] < large.losses[0] - 1.0  # it trained
   for r in ours:
@@ -86,7 +91,7 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   assert naive.max_param_diff > 100 * max(r.max_param_diff for r in ours)
   assert np.max(np.abs(naive.losses - large.losses)) > 1e-4
   assert np.max(np.abs(naive.reported - naive.losses)) > 1e-3  # the mean of means it shows
-  out = capsys.readouterr().out
+  out = captured.out
   budget, large_peak, k, k_peak = re.search(
     r"memory budget ([\d.]+) MiB: .* needs ([\d.]+) MiB .* k=(\d+) micro-batches of \d+, "
     r"gradient program peak ([\d.]+) MiB",
@@ -111,3 +116,27 @@ def test_demo_lm_quick_matches_large_batch_and_naive_does_not(tmp_path, capsys):
   line = re.search(r"B_simple \(gradient noise scale, TrainStep.*\): ([\d,]+) tokens", out)
   assert line and float(line.group(1).replace(",", "")) == pytest.approx(b_simple[-1], abs=0.5)
   assert f"{b_simple[-1]:,.0f} tokens" in table
+
+
+def test_demo_package_is_imported_by_nothing_in_the_library():
+  """The demos sit on top of the library, in a folder of their own: no library module imports
+  them (`python -m optax_accum.demo` imports the library, never the other way round)."""
+  import pathlib
+
+  import optax_accum
+
+  root = pathlib.Path(optax_accum.__file__).parent
+  library = [p for p in root.rglob("*.py") if "demo" not in p.relative_to(root).parts]
+  assert len(library) > 20
+  pattern = re.compile(
+    r"^\s*(from|import)\s+optax_accum\.demo|^\s*from\s+optax_accum\s+import\s+.*\bdemo\b|^\s*from\s+\.+demo\b",
+    re.M,
+  )
+  importers = [str(p.relative_to(root)) for p in library if pattern.search(p.read_text())]
+  assert importers == []
+  assert sorted(p.name for p in (root / "demo").iterdir() if p.suffix == ".py") == [
+    "__init__.py",
+    "__main__.py",
+    "digits.py",
+    "dp.py",
+  ]

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from optax_accum._lm import data, model, require
+from optax_accum.demo.lm import data, model, require
 
 SEQ = 32
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from optax_accum import demo
-from optax_accum._lm import cli, run_config
+from optax_accum.demo import digits
+from optax_accum.demo.lm import cli, run_config
 
 
 @pytest.mark.parametrize(
@@ -55,7 +56,7 @@ def test_lm_cli_out_with_checkpoint_dir_is_refused(tmp_path, capsys):
 
 def test_lm_cli_help_of_the_main_job_names_the_lm_task(capsys):
   with pytest.raises(SystemExit):
-    demo.parse_args(["--help"])
+    digits.parse_args(["--help"])
   assert "python -m optax_accum.demo lm" in capsys.readouterr().out
 
 

@@ -1,4 +1,5 @@
-"""`examples/lm_resume.py`, the language-model guide's recipe, run as a user runs it: killed with
+"""`examples/lm_resume.py`, the language-model guide's recipe, run as a user runs it: interrupted
+with SIGINT (Ctrl-C) mid-window, it saves, prints a few lines and no traceback; killed with
 SIGKILL mid-window and started again on the same directory, it ends with the parameters of a run
 never interrupted, bit for bit; started under another configuration, it refuses.
 
@@ -18,7 +19,8 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.slow  # processes killed and restarted: an integration test
+# The runs: processes killed and restarted, integration tests (slow); the flag checks are not.
+slow = pytest.mark.slow
 
 SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "lm_resume.py"
 TOTAL = 20  # the script's defaults: k = 5, 4 optimizer steps
@@ -46,12 +48,44 @@ def _killed_at(directory, line: str) -> None:
   assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
 
 
+@slow
+def _interrupted_at(directory, line: str) -> tuple[int, int, list[str]]:
+  """Starts the script, sends it SIGINT (what Ctrl-C sends) as soon as it prints `line`, lets it
+  stop by itself; returns the micro-step and window position it saved at, and the lines it
+  printed after `line` (stdout and stderr)."""
+  command = [sys.executable, str(SCRIPT), "--dir", str(directory)]
+  proc = subprocess.Popen(
+    command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+  )
+  seen = []
+  for out in proc.stdout:
+    seen.append(out)
+    if out.startswith(line):
+      proc.send_signal(signal.SIGINT)
+      break
+  after = proc.stdout.read().splitlines()
+  assert proc.wait(timeout=120) == 130, "".join(seen) + "\n".join(after)
+  saved = re.fullmatch(
+    r"interrupted: saved at micro-step (\d+), window position (\d+)/5; run the same command to "
+    r"resume from there",
+    after[-1],
+  )
+  assert saved, after
+  return int(saved[1]), int(saved[2]), after
+
+
 def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   want = _run(tmp_path / "uninterrupted")
   assert want.returncode == 0, want.stderr[-3000:]
 
   ckpt = tmp_path / "killed"
-  _killed_at(ckpt, "micro-step 9/")
+  # Interrupted after micro-step 6 (position 1/5): it stops after that one or a next one, before
+  # the window's end at 10 unless the machine stalls it for 3 micro-steps.
+  step, position, after = _interrupted_at(ckpt, "micro-step 6/")
+  assert 6 <= step < 10 and position == step % 5, after
+  assert "interrupted: stopping after this micro-step" in after, after
+  assert len(after) <= 2 + (step - 6) and not any("Traceback" in a for a in after), after
+  _killed_at(ckpt, "micro-step 13/")
   resumed = _run(ckpt)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   step, position = map(int, re.search(r"resumed after micro-step (\d+): window position (\d+)/5",
@@ -68,16 +102,43 @@ def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   assert not np.array_equal(ref["head"], _initial_head())  # it trained
 
 
-def _initial_head() -> np.ndarray:
+def _example():
+  """examples/lm_resume.py as a module."""
   sys.path.insert(0, str(SCRIPT.parent))
   try:
     import lm_resume  # noqa: PLC0415
 
-    return np.asarray(lm_resume.init_params(0, 32, 64)["head"])
+    return lm_resume
   finally:
     sys.path.remove(str(SCRIPT.parent))
 
 
+def _initial_head() -> np.ndarray:
+  return np.asarray(_example().init_params(0, 32, 64)["head"])
+
+
+@pytest.mark.parametrize(
+  "flag, value, needs",
+  [
+    ("--k", "0", "a positive int"),
+    ("--every", "0", "a positive int"),
+    ("--rows", "0", "a positive int"),
+    ("--steps", "-2", "a positive int"),
+    ("--k", "2.5", "a positive int"),
+    ("--seed", "-1", "an int in [0, 2**32)"),
+  ],
+)
+def test_lm_example_bad_flags_are_argparse_errors(flag, value, needs, tmp_path, capsys):
+  # argparse refuses before anything is built: no process, no training.
+  with pytest.raises(SystemExit) as exit:
+    _example().main(["--dir", str(tmp_path / "run"), flag, value])
+  assert exit.value.code == 2
+  err = capsys.readouterr().err
+  assert f"error: argument {flag}: must be {needs}, got {value!r}" in err, err
+  assert not (tmp_path / "run").exists()  # nothing written
+
+
+@slow
 def test_lm_example_refuses_another_configuration(tmp_path):
   first = _run(tmp_path, "--steps", "2")
   assert first.returncode == 0, first.stderr[-3000:]

@@ -10,7 +10,10 @@ Kill points (micro-step: position in the window of 4, the checkpoint restored):
 
 * one process, twice in one run: at 6 (position 2/4) while checkpoint 6 is being written — its
   temporary directory is left half-written, never listed, and checkpoint 3 (position 3/4) is
-  restored — then at 11 (position 3/4), restoring checkpoint 9 (position 1/4);
+  restored — then at 11 (position 3/4), restoring checkpoint 9 (position 1/4); then
+  interrupted (SIGINT, as Ctrl-C sends) after micro-step 10 (position 2/4): it stops after the
+  next one, saves checkpoint 11 (position 3/4), prints one line and no traceback, and the last
+  run resumes from 11;
 * two processes (`optax_accum.launch`, 127.0.0.1): at 6 (position 2/4) in both, checkpoint 6 in
   flight, checkpoint 3 restored.
 """
@@ -69,8 +72,20 @@ def _finished_steps(ckpt) -> tuple[list[int], list[str]]:
   return done, sorted(n for n in names if not n.isdigit())
 
 
-def _one_process(tmp_path, ckpt, stop_at=None):
-  """Runs (or resumes) the single-process run; with `stop_at`, SIGKILLs it there."""
+def _stopped(pid: int, timeout: float = 60.0) -> None:
+  """Waits until the process has stopped itself (SIGSTOP: state T in /proc)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    with open(f"/proc/{pid}/stat") as f:
+      if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+        return
+    time.sleep(0.01)
+  pytest.fail(f"process {pid} did not stop")
+
+
+def _one_process(tmp_path, ckpt, stop_at=None, interrupt=False):
+  """Runs (or resumes) the single-process run; with `stop_at`, SIGKILLs it there (or, with
+  `interrupt`, sends it SIGINT there, as Ctrl-C does, and lets it stop by itself)."""
   log = ckpt / f"log_{stop_at}.txt"
   with open(log, "w") as out:
     proc = subprocess.Popen(
@@ -79,6 +94,12 @@ def _one_process(tmp_path, ckpt, stop_at=None):
     )  # fmt: skip
     if stop_at is None:
       assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    elif interrupt:
+      _wait_for([log], f"micro-step {stop_at}/{TOTAL} ", [proc.poll])
+      _stopped(proc.pid)
+      proc.send_signal(signal.SIGINT)
+      proc.send_signal(signal.SIGCONT)
+      assert proc.wait(timeout=120) == 128 + signal.SIGINT, log.read_text()[-3000:]
     else:
       _wait_for([log], f"micro-step {stop_at}/{TOTAL} ", [proc.poll])
       proc.send_signal(signal.SIGKILL)
@@ -121,9 +142,19 @@ def test_lm_killed_mid_window_resumes_bit_for_bit(tmp_path):
   assert max(done) == 3 and len(partial) == 1 and _in_flight(partial) == [6], (done, partial)
   log = _one_process(tmp_path, ckpt, stop_at=11)  # position 3/4
   assert _restored(log) == (3, 3)  # the finished checkpoint, not the half-written one
-  done, _ = _finished_steps(ckpt)
+  # Checkpoint 9 is restored, or 6 where the kill at 11 caught 9 still in flight (a loaded CPU).
+  assert _restored(_one_process(tmp_path, ckpt, stop_at=10, interrupt=True)) in [(9, 1), (6, 2)]
+  after = (ckpt / "log_10.txt").read_text().split(f"micro-step 10/{TOTAL} window position 2/4\n")[1]
+  assert after.splitlines() == [  # a few lines, no traceback
+    "interrupted: stopping after this micro-step (Ctrl-C again to exit at once)",
+    f"micro-step 11/{TOTAL} window position 3/4",
+    f"interrupted after micro-step 11/{TOTAL} (window position 3/4): checkpoint 11 saved in "
+    f"{ckpt}; the same command resumes from it",
+  ], after
+  done, partial = _finished_steps(ckpt)
+  assert max(done) == 11, (done, partial)  # saved, the manager closed: committed
   log = _one_process(tmp_path, ckpt)
-  assert _restored(log) == (max(done), max(done) % K) and max(done) % K != 0
+  assert _restored(log) == (11, 3)
   assert f"micro-step {TOTAL}/{TOTAL}" in log
 
   _assert_bit_identical(_final(ckpt), _final(want_dir))

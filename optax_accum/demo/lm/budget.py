@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import optax_accum
-from optax_accum._lm import model
+from optax_accum.demo.lm import model
 
 MIB = 2.0**20
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -14,7 +13,8 @@ from collections.abc import Sequence
 
 import jax
 
-from optax_accum._lm import budget, data, methods, model, report, require
+from optax_accum.demo import NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, Phases
+from optax_accum.demo.lm import budget, data, methods, model, report, require
 
 # (model, batch of sequences per optimizer step, optimizer steps, training documents, budget MiB)
 PRESETS = {
@@ -26,27 +26,6 @@ PRESETS = {
   "gpu": (model.Config(seq_len=256, width=512, heads=8, layers=6), 256, 30, 16384, 4096.0),
 }
 EVAL_DOCS = 256
-
-
-def _number(kind: type, test, needs: str):
-  """An argparse `type`: parses `kind`, then checks it (``argument --x: must be ..., got ...``)."""
-
-  def parse(text: str):
-    try:
-      value = kind(text)
-    except ValueError:
-      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}") from None
-    if not test(value):
-      raise argparse.ArgumentTypeError(f"must be {needs}, got {text!r}")
-    return value
-
-  parse.__name__ = needs
-  return parse
-
-
-POSITIVE_INT = _number(int, lambda v: v >= 1, "a positive int")
-NON_NEGATIVE_INT = _number(int, lambda v: 0 <= v < 2**32, "an int in [0, 2**32)")
-POSITIVE = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number")
 
 
 def _writable_dir(p: argparse.ArgumentParser, flag: str, path: str) -> None:
@@ -171,14 +150,19 @@ def main(argv: Sequence[str] | None = None) -> list[methods.Result]:
   for module in ("flax", "grain", "tqdm", "matplotlib"):
     require(module)
   if args.checkpoint_dir:
-    from optax_accum._lm import resume  # noqa: PLC0415
+    from optax_accum.demo.lm import resume  # noqa: PLC0415
 
     return resume.main(args)
+  phases = Phases(3, "setup", progress=not args.no_progress)
+  phases("the model")
   graphdef, params0 = model.init(args.cfg, args.seed)
   loss = model.loss_fn(graphdef)
+  phases("the corpus")
   (tokens, mask), held_out = corpus(args)
+  phases("planning under the memory budget: compiling the gradient program for each k")
   plan = budget.plan(loss, params0, args.batch_size, args.cfg.seq_len,
                      int(args.memory_budget_mib * budget.MIB))  # fmt: skip
+  phases.close()
   k = args.k or plan.num_microbatches
   n_params = sum(x.size for x in jax.tree.leaves(params0))
   print(

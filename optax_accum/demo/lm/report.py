@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from optax_accum._lm.methods import FLOOR, Result
+from optax_accum.demo.lm.methods import FLOOR, Result
 
 MIB = 2.0**20
 
@@ -145,7 +145,7 @@ def plot(results: Sequence[Result], out: str, title: str) -> None:
   """Loss curves (top), each run's distance to the large batch's curve (middle), and the
   gradient noise scale B_simple in tokens that the `TrainStep` run measured (bottom): one
   column, so that the figure stays legible at a page's width."""
-  from optax_accum._lm import require  # noqa: PLC0415
+  from optax_accum.demo.lm import require  # noqa: PLC0415
 
   matplotlib = require("matplotlib")
   matplotlib.use("Agg")

@@ -28,33 +28,46 @@ import numpy as np
 import optax
 
 import optax_accum
+from optax_accum.demo import (
+  COMMAND,
+  NON_NEGATIVE_INT,
+  POSITIVE,
+  POSITIVE_INT,
+  Phases,
+  digits,
+  number,
+  require,
+)
+
+DELTA = number(float, lambda v: 0 < v < 1, "in (0, 1)")
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+  """The flags, each checked before any training: a bad one exits with argparse's usage and a
+  message naming it."""
   p = argparse.ArgumentParser(
-    prog="python -m optax_accum.demo dp",
+    prog=f"{COMMAND} dp",
     description="DP-SGD on the digits with Poisson-sampled logical batches and exact "
     "accumulation of clipped per-example gradients.",
   )
-  p.add_argument("--batch-size", type=int, default=256, help="expected logical batch (256)")
-  p.add_argument("--micro", type=int, default=16, help="examples per micro-step (16)")
-  p.add_argument("--updates", type=int, default=150, help="noisy updates (150)")
-  p.add_argument("--epsilon", type=float, default=4.0, help="target ε (4.0)")
-  p.add_argument("--delta", type=float, default=1e-5, help="δ (1e-5, below 1/N)")
-  p.add_argument("--clip", type=float, default=1.0, help="per-example clip norm C (1.0)")
-  p.add_argument("--lr", type=float, default=5e-3, help="Adam learning rate (5e-3)")
-  p.add_argument("--hidden", type=int, default=128, help="MLP hidden width (128)")
-  p.add_argument("--seed", type=int, default=0, help="seed of init, sampling and noise")
+  n = digits.TRAIN_EXAMPLES
+  p.add_argument(
+    "--batch-size", type=POSITIVE_INT, default=256, help=f"expected logical batch, ≤ {n} (256)"
+  )
+  p.add_argument("--micro", type=POSITIVE_INT, default=16, help="examples per micro-step (16)")
+  p.add_argument("--updates", type=POSITIVE_INT, default=150, help="noisy updates (150)")
+  p.add_argument("--epsilon", type=POSITIVE, default=4.0, help="target ε, finite (4.0)")
+  p.add_argument("--delta", type=DELTA, default=1e-5, help="δ (1e-5, below 1/N)")
+  p.add_argument("--clip", type=POSITIVE, default=1.0, help="per-example clip norm C (1.0)")
+  p.add_argument("--lr", type=POSITIVE, default=5e-3, help="Adam learning rate (5e-3)")
+  p.add_argument("--hidden", type=POSITIVE_INT, default=128, help="MLP hidden width (128)")
+  p.add_argument("--seed", type=NON_NEGATIVE_INT, default=0, help="seed of init, sampling, noise")
   p.add_argument("--quick", action="store_true", help="40 updates: a smoke run")
+  p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
   args = p.parse_args(argv)
-  for name in ("batch_size", "micro", "updates", "hidden"):
-    if getattr(args, name) < 1:
-      p.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
-  for name in ("epsilon", "clip", "lr"):
-    if not getattr(args, name) > 0:
-      p.error(f"--{name} must be > 0, got {getattr(args, name)}")
-  if not 0 < args.delta < 1:
-    p.error(f"--delta must be in (0, 1), got {args.delta}")
+  if args.batch_size > n:
+    # Poisson sampling at rate batch_size / N: a rate above 1 samples nothing meaningful.
+    p.error(f"--batch-size must be at most the {n} training examples, got {args.batch_size}")
   if args.quick:
     args.updates = min(args.updates, 40)
   return args
@@ -101,6 +114,7 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
     reduction="sum",
   )
   state, micro_steps = step.init(params), 0
+  bar = _bar(args, "private")
   for _ in range(args.updates):
     batch = next(sampler)
     for i in range(batch.num_microbatches):
@@ -109,7 +123,19 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
       last = i == batch.num_microbatches - 1
       params, state, _ = step(params, state, x[idx], y[idx], batch.mask[rows], force_emit=last)
       micro_steps += 1
+    bar.set_postfix_str(f"{micro_steps} micro-steps", refresh=False)
+    bar.update(1)
+  bar.close()
   return params, state, micro_steps
+
+
+def _bar(args, desc: str):
+  """A bar over the updates; it says "compiling …" until the first one is done."""
+  bar = require("tqdm").tqdm(
+    total=args.updates, desc=f"{desc:>11}", unit="update", disable=args.no_progress, leave=True
+  )
+  bar.set_postfix_str("compiling …", refresh=True)
+  return bar
 
 
 def train_plain(args, params, x, y) -> Any:
@@ -124,20 +150,28 @@ def train_plain(args, params, x, y) -> Any:
     return optax.apply_updates(params, updates), state
 
   state = opt.init(params)
+  bar = _bar(args, "non-private")
   for _ in range(args.updates):
     idx = rng.choice(len(x), args.batch_size, replace=False)
     params, state = step(params, state, x[idx], y[idx])
+    bar.set_postfix_str("", refresh=False)
+    bar.update(1)
+  bar.close()
   return params
 
 
 def main(argv: Sequence[str]) -> dict:
   """Runs the DP task; returns its figures (ε, δ, σ, updates, micro-steps, accuracies)."""
-  from optax_accum.demo import load_digits  # noqa: PLC0415  (the digits, as the main job has them)
-
   args = parse_args(argv)
-  (x, y), (x_test, y_test) = load_digits(seed=args.seed)
+  for module in ("sklearn", "tqdm", "dp_accounting"):
+    require(module, command=f"{COMMAND} dp")
+  phases = Phases(2, "setup", progress=not args.no_progress)
+  phases("the digits")
+  (x, y), (x_test, y_test) = digits.load_digits(seed=args.seed)
   q = args.batch_size / len(x)
+  phases(f"calibrating σ for ε={args.epsilon} (the accountant)")
   sigma = optax_accum.privacy.dp_noise_multiplier(args.epsilon, args.updates, q, args.delta)
+  phases.close()
   params0 = init_mlp(jax.random.key(args.seed), (x.shape[1], args.hidden, 10))
   print(
     f"digits: {len(x)} train / {len(x_test)} test, MLP 64-{args.hidden}-10; Poisson q={q:.4f} "

@@ -28,7 +28,7 @@ import optax
 
 import optax_accum
 from optax_accum import _hlo
-from optax_accum._lm import model
+from optax_accum.demo.lm import model
 
 METHODS = ("large batch", "TrainStep", "microbatch", "naive")
 # The float32 floor: the large batch again, its micro-batches concatenated in reverse order. Its
@@ -224,19 +224,29 @@ def train(names: Sequence[str], loss, params0, windows, lr: float, progress: boo
   Returns:
     One `Result` per name, in the order of `names`.
   """
-  from optax_accum._lm import require  # noqa: PLC0415
+  from optax_accum.demo import Phases  # noqa: PLC0415
+  from optax_accum.demo.lm import require  # noqa: PLC0415
 
   tqdm = require("tqdm").tqdm
-  runs = [_Run(name, loss, params0, windows, lr) for name in names]
-  bar = tqdm(windows, desc="windows", disable=not progress, leave=True)
-  for s, window in enumerate(bar):
+  phases, runs = Phases(len(names), "compiling", progress=progress), []
+  for name in names:  # each run compiles its programs and warms them up
+    phases(name)
+    runs.append(_Run(name, loss, params0, windows, lr))
+  phases.close()
+  # One bar per method (the runs advance together, so their bars do): each shows its own loss.
+  bars = [
+    tqdm(total=len(windows), desc=f"{run.name:>22}", disable=not progress, leave=True)
+    for run in runs
+  ]
+  for s, window in enumerate(windows):
     for run in runs[s % len(runs) :] + runs[: s % len(runs)]:
       run.step(s, window)
-    if s % 10 == 0 or s == len(windows) - 1:
-      noisy = next((r for r in runs if r.name == NOISY), None)
-      extra = {} if noisy is None else {"B_simple": f"{noisy.noise[s, 0]:,.0f} tokens"}
-      bar.set_postfix({"train loss": f"{runs[0].losses[s]:.3f}", **extra})
-  bar.close()
+    for run, bar in zip(runs, bars, strict=True):
+      extra = {} if run.name != NOISY else {"B_simple": f"{run.noise[s, 0]:,.0f} tokens"}
+      bar.set_postfix({"train loss": f"{run.losses[s]:.3f}", **extra}, refresh=False)
+      bar.update(1)
+  for bar in bars:
+    bar.close()
   return [run.result(windows) for run in runs]
 
 

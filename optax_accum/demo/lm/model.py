@@ -71,7 +71,7 @@ def _modules(nnx):
 
 def init(cfg: Config, seed: int) -> tuple[Any, dict]:
   """The model's graph definition and its parameters (a nested dict of float32 arrays)."""
-  from optax_accum._lm import require  # noqa: PLC0415
+  from optax_accum.demo.lm import require  # noqa: PLC0415
 
   nnx = require("flax.nnx")
   build = lambda: _modules(nnx)(cfg, nnx.Rngs(seed))  # noqa: E731

@@ -1,4 +1,4 @@
-"""The main job: one model trained three ways, with the same data, to the same parameters.
+"""The digits task, the demos' default: one model trained three ways, to the same parameters.
 
 Run it with ``python -m optax_accum.demo`` (after ``pip install -e ".[examples]"``). It trains a
 small MLP (Flax Linen) on scikit-learn's handwritten digits, which ship with scikit-learn (no
@@ -19,15 +19,8 @@ It also prints the gradient noise scale B_simple that `accumulate` measured for 
 micro-batches (`optax_accum.noise_scale`), in micro-batches and examples.
 
 The optional dependencies (flax, scikit-learn, tqdm, matplotlib) are imported inside `main`, so
-importing this module never needs them.
-
-The second task, ``python -m optax_accum.demo lm [--quick]``, trains a byte-level transformer on
-the standard library's source four ways (large batch, `TrainStep` and `microbatch` with token
-weights, the naive mean of micro-batch means) under a memory budget; see `optax_accum._lm`.
-
-The third, ``python -m optax_accum.demo dp [--quick]``, trains the digits with differential
-privacy (Poisson batches far larger than the micro-batch) and prints ε, δ and both accuracies;
-see `optax_accum._dp_demo`.
+importing this module never needs them. The other tasks (``lm``, ``dp``): see
+`optax_accum.demo`.
 """
 
 from __future__ import annotations
@@ -35,8 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -48,11 +39,11 @@ import optax
 
 import optax_accum
 from optax_accum import _hlo
-from optax_accum._lm import require
+from optax_accum.demo import COMMAND, TASKS, require
 
 _EXTRAS = ("flax", "sklearn", "tqdm", "matplotlib")
-# Imports an optional dependency, or says how to install it (shared with the `lm` task).
-_require = functools.partial(require, command="python -m optax_accum.demo")
+# Imports an optional dependency, or says how to install it.
+_require = functools.partial(require, command=COMMAND)
 
 
 @dataclasses.dataclass
@@ -73,10 +64,16 @@ class Result:
   b_simple: np.ndarray | None = None
 
 
-def load_digits(seed: int = 0, test_fraction: float = 0.2):
+# scikit-learn's digits: 1797 images, 359 of them (20%) held out for the test set.
+DIGITS, TEST_FRACTION = 1797, 0.2
+TRAIN_EXAMPLES = DIGITS - int(round(TEST_FRACTION * DIGITS))  # 1438: flags are checked against it
+
+
+def load_digits(seed: int = 0, test_fraction: float = TEST_FRACTION):
   """scikit-learn's 8x8 handwritten digits, scaled to [0, 1], split into train and test."""
   datasets = _require("sklearn.datasets")
   x, y = datasets.load_digits(return_X_y=True)
+  assert len(x) == DIGITS, f"scikit-learn's digits: {len(x)} images, not {DIGITS}"
   x = (x / 16.0).astype(np.float32)
   y = y.astype(np.int32)
   order = np.random.default_rng(seed).permutation(len(x))
@@ -182,15 +179,16 @@ def train(
   micro = [idx[:, i::k] for i in range(k)] if accumulating else [idx]
   shape_x = x_train[micro[0][0]]
   shape_y = y_train[micro[0][0]]
+  bar = tqdm(total=steps, desc=f"{method:>11}", disable=not progress, leave=True)
+  bar.set_postfix_str("compiling …", refresh=True)
   compiled = (
     jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, shape_x, shape_y).compile()
   )
   peak, temp = _memory(compiled)
 
   losses, b_simple = np.zeros(steps, np.float64), np.full(steps, np.nan)
-  bar = tqdm(range(steps), desc=f"{method:>11}", disable=not progress, leave=True)
   start = time.perf_counter()
-  for s in bar:
+  for s in range(steps):
     step_loss = []
     for rows in micro:
       params, opt_state, (loss, noise) = compiled(
@@ -201,7 +199,8 @@ def train(
     losses[s], b_simple[s] = float(np.mean(jax.device_get(step_loss))), float(noise)
     if s % 20 == 0 or s == steps - 1:
       postfix = {"B_simple": f"{b_simple[s]:.2f}"} if accumulating else {}
-      bar.set_postfix(loss=f"{losses[s]:.4f}", **postfix)
+      bar.set_postfix(loss=f"{losses[s]:.4f}", **postfix, refresh=False)
+    bar.update(1)
   jax.block_until_ready(params)
   seconds = time.perf_counter() - start
   bar.close()
@@ -319,10 +318,10 @@ def plot(results: Sequence[Result], out: str, batch_size: int, k: int) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   p = argparse.ArgumentParser(
-    prog="python -m optax_accum.demo",
+    prog=COMMAND,
     description="Train a digits MLP three ways (large batch, accumulate, microbatch) and compare.",
     epilog="Other tasks, each with its own --help: "
-    + "; ".join(f"`python -m optax_accum.demo {name}`: {what}" for name, (_, what) in TASKS.items())
+    + "; ".join(f"`{COMMAND} {name}`: {what}" for name, (_, what) in TASKS.items())
     + ".",
   )
   p.add_argument("--k", type=int, default=4, help="micro-batches per optimizer step (default 4)")
@@ -349,22 +348,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-# The other tasks: the first argument names one; its module's `main(argv)` runs it.
-TASKS = {
-  "lm": ("optax_accum._lm.cli", "a byte-level transformer, token-weighted, checkpointed"),
-  "dp": ("optax_accum._dp_demo", "private training on the digits, one noise draw per update"),
-}
-
-
 def main(argv: Sequence[str] | None = None) -> list:
-  """Runs the job; returns the three `Result`s (large batch first).
-
-  A task name of `TASKS` as the first argument runs that task instead (e.g.
-  ``python -m optax_accum.demo lm [--quick]``, see `optax_accum._lm`).
-  """
-  argv = sys.argv[1:] if argv is None else list(argv)
-  if argv[:1] and argv[0] in TASKS:
-    return importlib.import_module(TASKS[argv[0]][0]).main(argv[1:])
+  """Runs the digits task; returns the three `Result`s (large batch first)."""
   args = parse_args(argv)
   for module in _EXTRAS:
     _require(module)
@@ -399,7 +384,3 @@ def main(argv: Sequence[str] | None = None) -> list:
   plot(results, args.out, args.batch_size, args.k)
   print(f"loss curves written to {args.out}")
   return results
-
-
-if __name__ == "__main__":
-  main()

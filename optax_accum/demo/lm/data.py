@@ -119,6 +119,6 @@ def windows(it: Iterator, k: int, steps: int) -> list[list[dict]]:
 
 
 def _grain():
-  from optax_accum._lm import require  # noqa: PLC0415
+  from optax_accum.demo.lm import require  # noqa: PLC0415
 
   return require("grain")

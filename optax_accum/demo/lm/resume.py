@@ -16,7 +16,10 @@ refuses before it restores anything.
 
 After each micro-step it prints ``micro-step N/TOTAL window position P/K`` (flushed; P = K:
 the window closed and the update was applied): a test
-can wait for one and kill the process there. With the environment variable
+can wait for one and kill the process there. Ctrl-C (SIGINT) stops the run after the current
+micro-step, with a checkpoint there, closes the checkpoint manager and prints one line saying
+where the run will resume (a second Ctrl-C exits at once; the run then resumes from the latest
+finished checkpoint). With the environment variable
 ``OPTAX_ACCUM_LM_STOP_AT=N`` the process stops itself (SIGSTOP, every thread: an asynchronous
 save in flight stays half-written) right after that line for micro-step N, to be killed there.
 """
@@ -34,10 +37,50 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._lm import budget, data, model, require, run_config
+from optax_accum.demo.lm import budget, data, model, require, run_config
 
 AXIS = "data"
 STOP_AT = "OPTAX_ACCUM_LM_STOP_AT"
+
+
+class _Interrupt:
+  """Ctrl-C (SIGINT) as a request to stop after the current micro-step, not an exception.
+
+  A `KeyboardInterrupt` raised inside a step or an asynchronous Orbax save leaves the manager's
+  threads to fail one by one at exit (hundreds of lines of tracebacks that read like a corrupted
+  checkpoint). Here the first Ctrl-C only sets `requested`; the loop saves, closes the manager and
+  says where the run resumes. A second one exits at once: a checkpoint in flight is left in its
+  temporary directory, never listed, never restored.
+  """
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    self._previous = signal.signal(signal.SIGINT, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    signal.signal(signal.SIGINT, self._previous)
+
+  def _handle(self, signum, frame):
+    if self.requested:
+      print("interrupted again: exiting now (the run resumes from its latest finished "
+            "checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
+      os._exit(128 + signal.SIGINT)
+    self.requested = True
+    print("interrupted: stopping after this micro-step (Ctrl-C again to exit at once)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+  def agreed(self) -> bool:
+    """Whether any process was interrupted: every process stops at the same micro-step (the
+    saves are collective)."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(self.requested))))
 
 
 class _Snapshot:
@@ -148,7 +191,15 @@ def _position(mini_step: int, k: int) -> int:
 
 
 def main(args):
-  """Trains with checkpoints, resuming from the latest; writes the final parameters."""
+  """Trains with checkpoints, resuming from the latest; writes the final parameters.
+
+  Ctrl-C stops it after the current micro-step with a checkpoint there (exit code 130).
+  """
+  with _Interrupt() as interrupt:
+    return _train(args, interrupt)
+
+
+def _train(args, interrupt: _Interrupt):
   if args.distributed:
     from optax_accum import launch  # noqa: PLC0415
 
@@ -165,13 +216,23 @@ def main(args):
     params, state = restored["params"], restored["opt_state"]
     position = _position(int(state.mini_step), k)
     print(f"restored micro-step {start} window position {position}/{k}", flush=True)
+  print(f"compiling the train step (micro-step {start + 1}/{total} follows) …", flush=True)
   for n in range(start + 1, total + 1):
     params, state, _ = step(params, state, _global(mesh, next(iterator)))
     jax.block_until_ready(params)
-    manager.save(n, args=_items(params, state, iterator, config, restore=False), force=n == total)
+    stopping = interrupt.agreed() and n < total
+    save = _items(params, state, iterator, config, restore=False)
+    manager.save(n, args=save, force=n == total or stopping)
     print(f"micro-step {n}/{total} window position {_position(n % k, k)}/{k}", flush=True)
     if n == stop_at:
       os.kill(os.getpid(), signal.SIGSTOP)
+    if stopping:
+      manager.wait_until_finished()
+      manager.close()
+      print(f"interrupted after micro-step {n}/{total} (window position {_position(n % k, k)}/"
+            f"{k}): checkpoint {n} saved in {args.checkpoint_dir}; the same command resumes "
+            "from it", flush=True)  # fmt: skip
+      raise SystemExit(128 + signal.SIGINT)
   manager.wait_until_finished()
   manager.close()
   flat = {jax.tree_util.keystr(p): np.asarray(v.addressable_data(0))
