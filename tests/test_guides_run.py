@@ -72,6 +72,8 @@ def test_code_cells_and_note_read_a_page():
   assert "one script" in note and "jax.jit" in note
   assert "jax.jit" not in guide_pages.page_note(page.replace("tx.update", "tx.init"))
   assert guide_pages.page_note("# Title\n\n```python\nx = 1\n```\n") is None
+  recipe = guide_pages.page_note("# Title\n\n```python\nu, s = tx.update(g, s)\n```\n")
+  assert "jax.jit" in recipe and "one script" not in recipe  # plain blocks each run alone
   source = [page]
   guide_pages.insert_note(None, "guides/page", source)
   assert source[0].startswith("# Title\n\n:::{note}\nThe code on this page is one script")
@@ -84,7 +86,14 @@ def test_script_shows_a_cells_last_expression():
 def test_every_executed_guide_gets_the_one_script_note():
   assert len(PAGES) >= 12
   for name in PAGES:
-    assert guide_pages.page_note((GUIDES / f"{name}.md").read_text()), name
+    assert "one script" in guide_pages.page_note((GUIDES / f"{name}.md").read_text()), name
+
+
+def test_every_guide_that_calls_update_is_told_to_jit_it():
+  told = {
+    p.stem for p in GUIDES.glob("*.md") if "jax.jit" in (guide_pages.page_note(p.read_text()) or "")
+  }
+  assert {"migration", "batch_size", "checkpointing", "language_model", "token_weighting"} <= told
 
 
 @pytest.mark.slow  # each page in a fresh interpreter: the docs build's work, without Sphinx

@@ -2,10 +2,11 @@
 
 * Every guide whose code is executed (``{code-cell}`` blocks) gets, under its title, a note
   that its cells are one script, run top to bottom, each continuing the ones above it
-  (`tests/test_guides_run.py` runs each page so). A page that calls an optimizer's ``update``
-  is also told to call it under ``jax.jit``: un-jitted, each call traces and compiles its
-  program again. The note is inserted when the page is read (`page_note` says what it holds),
-  so that a new page gets it without anyone remembering to write it.
+  (`tests/test_guides_run.py` runs each page so). A page whose code calls an optimizer's
+  ``update`` (in cells or plain ``python`` blocks) is told to call it under ``jax.jit``:
+  un-jitted, each call traces and compiles its program again. The note is inserted when the
+  page is read (`page_note` says what it holds), so that a new page gets it without anyone
+  remembering to write it.
 * The role ``{output}`` marks a figure that a sentence quotes from the page's executed output,
   e.g. ``the loss reaches {output}`1.816```. It renders as the plain text; the test checks that
   each such figure appears in the output of the cells above the sentence.
@@ -43,13 +44,16 @@ def code_cells(source: str) -> list[str]:
 
 
 def page_note(source: str) -> str | None:
-  """The note put under an executed page's title, or None for a page without code cells."""
-  if not CODE_CELL.search(source):
-    return None
-  text = ONE_SCRIPT
-  if any(UPDATE_CALL.search(cell) for cell in code_cells(source)):
-    text += " " + JIT
-  return f":::{{note}}\n{text}\n:::\n"
+  """The note put under a guide's title, or None for a page that needs none.
+
+  A page with code cells is one script; a page whose code (cells or plain ``python`` blocks)
+  calls an ``update`` is told to jit it.
+  """
+  code = code_cells(source) + re.findall(r"^```python\n(.*?)^```", source, re.S | re.M)
+  parts = [ONE_SCRIPT] if CODE_CELL.search(source) else []
+  if any(UPDATE_CALL.search(block) for block in code):
+    parts.append(JIT)
+  return f":::{{note}}\n{' '.join(parts)}\n:::\n" if parts else None
 
 
 def insert_note(app: Sphinx, docname: str, source: list[str]) -> None:
