@@ -49,10 +49,9 @@ class GainState(NamedTuple):
 
   progress: jax.Array  # shape=(), dtype=jnp.float32: τ, the sum of the gains applied so far
   gain: jax.Array  # shape=(), dtype=jnp.float32: r of the last update (1 before any)
-  # shape=(), dtype=jnp.float32: what float32 `progress` could not hold of the sum (τ is
-  # progress + progress_low), so that no gain is lost however long the run: from τ = 2**23
-  # on, a float32 sum alone would add a gain of 1.028 as 1.
-  progress_low: jax.Array = 0.0
+  # No gain is lost however long the run: from τ = 2**23 on, a float32 sum alone would add a
+  # gain of 1.028 as 1; the pair (progress, progress_low) keeps what it rounds away.
+  progress_low: jax.Array = 0.0  # shape=(), dtype=jnp.float32: τ − progress, what it lost
 
 
 class WindowFigures(NamedTuple):
