@@ -37,6 +37,7 @@ extensions = [
   "sphinx.ext.napoleon",  # Google-style Args/Returns/Raises
   "sphinx.ext.viewcode",
   "optax_accum_docs",  # docs/_ext: API reference from __all__, its coverage check, copies
+  "guide_pages",  # docs/_ext: each executed guide's "one script" note; the {output} role
   "sphinx.ext.mathjax",
   # MathJax 3 served from the site itself (copied into _static/mathjax/): formulas render
   # without a network. It sets `mathjax_path`; .ci/check_site.py checks every page with math.

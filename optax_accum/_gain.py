@@ -49,6 +49,9 @@ class GainState(NamedTuple):
 
   progress: jax.Array  # shape=(), dtype=jnp.float32: τ, the sum of the gains applied so far
   gain: jax.Array  # shape=(), dtype=jnp.float32: r of the last update (1 before any)
+  # No gain is lost however long the run: from τ = 2**23 on, a float32 sum alone would add a
+  # gain of 1.028 as 1; the pair (progress, progress_low) keeps what it rounds away.
+  progress_low: jax.Array = 0.0  # shape=(), dtype=jnp.float32: τ − progress, what it lost
 
 
 class WindowFigures(NamedTuple):
@@ -114,6 +117,8 @@ def _check_base_weight(base_weight: Any) -> float:
       "in the units of the weights: micro-batches with the default weight 1, examples or "
       f"tokens when the weights count them), got {base_weight!r} of type "
       f"{type(base_weight).__name__}."
+      # optax.inject_hyperparams makes every numeric argument an array:
+      + (f"\n\n{INJECTED}" if isinstance(base_weight, jax.Array) else "")
     )
   value = float(base_weight)
   if not (np.isfinite(value) and value > 0):
@@ -183,7 +188,9 @@ def scale_by_gain(
 
   def init_fn(params: Any) -> GainState:
     del params
-    return GainState(progress=jnp.zeros((), _F32), gain=jnp.ones((), _F32))
+    # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
+    zeros = jnp.zeros((2,), _F32)
+    return GainState(progress=zeros[0], gain=jnp.ones((), _F32), progress_low=zeros[1])
 
   def update_fn(updates: Any, state: GainState, params: Any = None, **extra_args: Any):
     del params
@@ -194,15 +201,57 @@ def scale_by_gain(
     lr = learning_rate(state.progress) if callable(learning_rate) else learning_rate
     factor = -(r if rule == "linear" else jnp.sqrt(r)) * jnp.asarray(lr).astype(_F32)
     updates = jax.tree.map(lambda u: factor.astype(u.dtype) * u, updates)
-    return updates, GainState(progress=(state.progress + r).astype(_F32), gain=r)
+    high, low = _add_exactly(state.progress, state.progress_low, r)
+    return updates, GainState(progress=high, gain=r, progress_low=low)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+def _add_exactly(high: jax.Array, low: jax.Array, r: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``high + low + r`` as a new (high, low) pair of float32s: the rounding error of each sum is
+  kept in `low` (Knuth's two-sum, then a renormalisation), not lost."""
+  high, low, r = (jnp.asarray(x).astype(_F32) for x in (high, low, r))
+  total = high + r
+  back = total - high
+  error = (high - (total - back)) + (r - back)  # exactly high + r - total
+  low = low + error
+  new_high = total + low
+  return new_high, low - (new_high - total)
+
+
+INJECTED = (
+  "scale_by_gain inside optax.inject_hyperparams: inject_hyperparams evaluates a schedule at "
+  "its own count of updates, not at the progress τ that every schedule of scale_by_gain runs "
+  "on, so a schedule there would ignore the gain. Pass the schedule to scale_by_gain itself, "
+  "which evaluates it at τ:\n\n"
+  "    optax_accum.scale_by_gain(schedule, base_weight=W0)\n\n"
+  "To set a factor by hand during the run, inject it into a transformation of its own before "
+  "scale_by_gain:\n\n"
+  "    optax.chain(optax.inject_hyperparams(optax.scale)(step_size=1.0),\n"
+  "                optax_accum.scale_by_gain(schedule, base_weight=W0))"
+)
+_INJECT_STATES = tuple(
+  getattr(optax, name)
+  for name in ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+  if hasattr(optax, name)
+)
+
+
 def holds_gain(inner_state: Any) -> bool:
-  """Whether an inner optimizer's state holds a `GainState` (its chain has `scale_by_gain`)."""
+  """Whether an inner optimizer's state holds a `GainState` (its chain has `scale_by_gain`).
+
+  Raises:
+    ValueError: if the `GainState` is inside an `optax.inject_hyperparams` state, whose
+      schedules would run on the update count instead of τ (`INJECTED`).
+  """
   is_gain = lambda x: isinstance(x, GainState)  # noqa: E731
-  return any(is_gain(x) for x in jax.tree.leaves(inner_state, is_leaf=is_gain))
+  is_either = lambda x: is_gain(x) or isinstance(x, _INJECT_STATES)  # noqa: E731
+  found = False
+  for x in jax.tree.leaves(inner_state, is_leaf=is_either):
+    if isinstance(x, _INJECT_STATES) and holds_gain(x.inner_state):
+      raise ValueError(INJECTED)
+    found = found or is_gain(x)
+  return found
 
 
 _NO_GAIN = (

@@ -1,0 +1,203 @@
+"""Every guide page runs as the page says it runs, and its figures are those of its output.
+
+* A page with ``{code-cell}`` blocks says, under its title, that they are one script run top to
+  bottom (docs/_ext/guide_pages.py puts the note there). Here each such page's cells run as
+  one file in a fresh interpreter, in order, as a reader who copies them all runs them; a cell
+  whose last line is an expression prints it, as the notebook shows it.
+* A figure a sentence quotes from that output is written ``{output}`figure``` and must appear,
+  as written, in the output of the cells above the sentence.
+* The plain ``python`` blocks of an executed page are not executed by the build: each is a whole
+  program, run here alone (the multi-host ``train.py`` through `optax_accum.launch`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+GUIDES = ROOT / "docs" / "guides"
+sys.path.insert(0, str(ROOT / "docs" / "_ext"))
+
+import guide_pages  # noqa: E402
+
+PAGES = sorted(p.stem for p in GUIDES.glob("*.md") if "{code-cell}" in p.read_text())
+OUTPUT = re.compile(r"\{output\}`([^`]+)`")
+CELL_MARK = "<<<optax_accum guide cell {}>>>"
+
+
+def _script(cells: list[str]) -> str:
+  """One program of the cells, each preceded by a line marking where its output starts."""
+  parts = []
+  for i, cell in enumerate(cells):
+    tree = ast.parse(cell)
+    if tree.body and isinstance(tree.body[-1], ast.Expr):  # the notebook shows its value
+      last = tree.body[-1]
+      show = ast.parse("_ = None\nif _ is not None: print(repr(_))").body
+      show[0].value = last.value
+      tree.body[-1:] = show
+    parts.append(f"print({CELL_MARK.format(i)!r}, flush=True)\n{ast.unparse(tree)}\n")
+  return "\n".join(parts)
+
+
+@functools.cache
+def _run_page(name: str) -> tuple[list[str], str]:
+  """Runs the page's cells as one script; returns each cell's stdout and the page's source."""
+  source = (GUIDES / f"{name}.md").read_text()
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  env.pop("XLA_FLAGS", None)  # a reader's fresh shell: a page that needs devices sets them
+  proc = subprocess.run(
+    [sys.executable, "-c", _script(guide_pages.code_cells(source))],
+    cwd=GUIDES, env=env, capture_output=True, text=True, timeout=900,
+  )  # fmt: skip
+  assert proc.returncode == 0, f"{name}.md as one script:\n{proc.stderr[-4000:]}"
+  outputs = re.split(r"<<<optax_accum guide cell \d+>>>\n", proc.stdout)[1:]
+  return outputs, source
+
+
+def test_code_cells_and_note_read_a_page():
+  page = (
+    "# Title\n\nText.\n\n```{code-cell} ipython3\n:tags: [hide-output]\nx = 1\n```\n\n"
+    "More.\n\n```{code-cell} ipython3\nupdates, state = tx.update(g, state)\n```\n"
+  )
+  assert guide_pages.code_cells(page) == ["x = 1\n", "updates, state = tx.update(g, state)\n"]
+  note = guide_pages.page_note(page)
+  assert "one script" in note and "jax.jit" in note
+  assert "jax.jit" not in guide_pages.page_note(page.replace("tx.update", "tx.init"))
+  assert guide_pages.page_note("# Title\n\n```python\nx = 1\n```\n") is None
+  recipe = guide_pages.page_note("# Title\n\n```python\nu, s = tx.update(g, s)\n```\n")
+  assert "jax.jit" in recipe and "one script" not in recipe  # plain blocks each run alone
+  source = [page]
+  guide_pages.insert_note(None, "guides/page", source)
+  assert source[0].startswith("# Title\n\n:::{note}\nThe code on this page is one script")
+
+
+def test_script_shows_a_cells_last_expression():
+  assert _script(["x = 2\nx * 3"]).endswith("_ = x * 3\nif _ is not None:\n    print(repr(_))\n")
+
+
+def test_every_executed_guide_gets_the_one_script_note():
+  assert len(PAGES) >= 12
+  for name in PAGES:
+    assert "one script" in guide_pages.page_note((GUIDES / f"{name}.md").read_text()), name
+
+
+def test_every_guide_that_calls_update_is_told_to_jit_it():
+  told = {
+    p.stem for p in GUIDES.glob("*.md") if "jax.jit" in (guide_pages.page_note(p.read_text()) or "")
+  }
+  assert {"migration", "batch_size", "checkpointing", "language_model", "token_weighting"} <= told
+
+
+@pytest.mark.slow  # each page in a fresh interpreter: the docs build's work, without Sphinx
+@pytest.mark.parametrize("name", PAGES)
+def test_guide_runs_top_to_bottom_as_one_script_with_its_figures(name):
+  outputs, source = _run_page(name)
+  starts = [m.start() for m in re.finditer(r"^```\{code-cell\}", source, re.M)]
+  assert len(outputs) == len(starts)
+  for m in OUTPUT.finditer(source):
+    above = sum(start < m.start() for start in starts)
+    line = source.count("\n", 0, m.start()) + 1
+    shown = "".join(outputs[:above])
+    assert m.group(1) in shown, (
+      f"{name}.md line {line} quotes {m.group(1)!r}, which the cells above it do not print:\n"
+      f"{shown[-3000:]}"
+    )
+
+
+def _python_blocks(name: str) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", (GUIDES / f"{name}.md").read_text(), re.S | re.M)
+
+
+def test_plain_python_blocks_of_executed_pages_are_known():
+  # A plain block is not executed by the build: each must be run below (or become a cell).
+  found = {name: len(_python_blocks(name)) for name in PAGES if _python_blocks(name)}
+  assert found == {"multi_device": 1}, found
+
+
+@pytest.mark.slow  # two processes
+def test_multi_device_train_py_runs_alone_as_two_processes(tmp_path, monkeypatch):
+  from optax_accum import launch
+
+  (block,) = _python_blocks("multi_device")
+  assert block.startswith("# train.py\n")
+  (tmp_path / "train.py").write_text(block)
+  monkeypatch.setenv("PYTHONPATH", str(ROOT))  # `launch` passes this environment on
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  command = [sys.executable, str(tmp_path / "train.py")]
+  codes = launch.launch(command, 2, local_devices=2, timeout=600, log_dir=str(tmp_path))
+  logs = [(tmp_path / f"process_{i}.log").read_text() for i in range(2)]
+  assert codes == [0, 0], "\n".join(log[-2000:] for log in logs)
+  # Each process prints its index, the update count (2) and the same parameters.
+  printed = [log.strip().splitlines()[-1].split(" ", 2) for log in logs]
+  assert [p[:2] for p in printed] == [["0", "2"], ["1", "2"]] and printed[0][2] == printed[1][2]
+
+
+# Figures in the prose of these pages that are not the page's own output: constants of the
+# method, of the code above them, or of a committed run quoted with its file. Any other
+# decimal figure in their prose must be an {output} figure (or math, or code).
+OWN_PAGES = {
+  "bad_input": set(),
+  "batch_size": {
+    "0.95",  # the EMA decay (a constant of the estimator)
+    # benchmarks/results/gain/results.md (the LM part of `gain_experiments.py`):
+    "1.570",
+    "1.536",
+    "2.1",
+    # benchmarks/results/cpu/noise/ and `noise_profile.py` (the table and the profile):
+    "6.4",
+    "7.5",
+    "1.9",
+    "2.3",
+    "3.4",
+    "5.1",
+    "0.99",
+    "1.05",
+    "1.02",
+    "1.26",
+    "1.03",
+    "1.08",
+    "1.15",
+    "1.16",
+    "1.01",
+    "1.17",
+    "1.00",  # (2.3 is also GPT-3's section 2.3)
+  },
+  "checkpointing": set(),
+  "equinox": set(),
+  "flax": set(),
+  "migration": {"0.2.8"},  # the optax release checked against
+  "multi_device": set(),
+  "optax_composition": set(),
+  "planner": set(),
+  "sharding": set(),
+  "token_weighting": set(),  # 7.6 and 4.3 are math, derived from two {output} counts
+}
+
+
+def _prose_decimals(source: str) -> list[str]:
+  prose = re.sub(r"^```.*?^```", "", source, flags=re.S | re.M)  # code blocks
+  prose = re.sub(r"\{output\}`[^`]*`|`[^`]*`|\$\$.*?\$\$|\$[^$\n]*\$", "", prose, flags=re.S)
+  prose = re.sub(r"\]\([^)]*\)", "]", prose)  # link targets (arXiv numbers)
+  return re.findall(r"(?<![\w.])\d+\.\d+(?:\.\d+)?(?![\w.]*\d)", prose)
+
+
+def test_prose_decimals_finds_figures_outside_code_and_math():
+  page = "It ends at 1.816 (`1.5` in code, $0.5$ in math, {output}`1.541`, [x](1812.06162))."
+  assert _prose_decimals(page) == ["1.816"]
+
+
+@pytest.mark.parametrize("name", sorted(OWN_PAGES))
+def test_guide_prose_states_no_unchecked_figure(name):
+  found = set(_prose_decimals((GUIDES / f"{name}.md").read_text()))
+  assert found <= OWN_PAGES[name], (
+    f"{name}.md states {sorted(found - OWN_PAGES[name])} in its prose: write a figure of the "
+    "page's output as {output}`figure` (checked against it), or list a constant here"
+  )
