@@ -1,0 +1,234 @@
+"""The audit's runs: the accumulated gradient and the first updates through each front end.
+
+Every run uses the public front ends as a user would, on the same strided micro-batches
+(micro-batch ``i`` holds rows ``i, i+k, …``, `microbatch`'s default split): what is measured is
+the library's behaviour on the user's model, not a re-implementation of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum import _hlo
+from optax_accum._accumulate import AccumulateState, accumulate
+from optax_accum._microbatch import microbatch
+from optax_accum._train_step import TrainStep
+
+# Collectives whose result holds fewer bytes than this are scalars (loss, weight, finite flags)
+# and are not counted as gradient reductions.
+GRAD_MIN_BYTES = 32
+REDUCTIONS = ("all-reduce", "reduce-scatter")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """What every run shares, resolved once by `optax_accum.audit`."""
+
+  loss: Callable[..., Any]  # loss(params, batch), deterministic (key None), params arrays only
+  keyed_loss: Callable[..., Any] | None  # loss(params, batch, key) when `rng` was given
+  params: Any  # the array leaves of the user's parameters (non-arrays as None)
+  batch: Any
+  k: int
+  micro: tuple[Any, ...]  # the k strided micro-batches
+  weights: np.ndarray  # (k,) the user's weight of each micro-batch (ones without weight_fn)
+  weight_fn: Callable[[Any], Any] | None
+  optimizer: optax.GradientTransformation | None
+  wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None
+  mesh: Any
+  axis_name: Any
+  accum_dtype: Any
+  num_updates: int
+  # Compiled programs by name, each compiled once and used for its runs and its memory and
+  # collectives (`jax.jit(f).lower(...).compile()` does not share `jax.jit(f)`'s cache).
+  compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+  def aot(self, name: str, fun: Callable[..., Any], *args: Any) -> Any:
+    """`fun` compiled for `args` (once per `name`)."""
+    if name not in self.compiled:
+      self.compiled[name] = jax.jit(fun).lower(*args).compile()
+    return self.compiled[name]
+
+  def grad(self, batch: Any) -> Any:
+    """The gradient of the loss on `batch` (the large batch or one micro-batch)."""
+    name = "large" if batch is self.batch else "micro"
+    return self.aot(name, jax.grad(self.loss), self.params, batch)(self.params, batch)
+
+
+class Run(NamedTuple):
+  """What one front end produced."""
+
+  grads: Any  # the accumulated gradient at the initial parameters
+  updates: list[Any] | None  # the first `num_updates` updates (None without an optimizer)
+  accumulator: Any  # the accumulator's arrays (or their shapes), None where not visible
+
+
+def strided(batch: Any, k: int) -> tuple[Any, ...]:
+  """The k micro-batches of `microbatch`'s default split: rows ``i, i+k, …`` in micro-batch i
+  (one program: eager slicing would compile one per slice)."""
+  cut = lambda b: tuple(jax.tree.map(lambda x, i=i: x[i::k], b) for i in range(k))
+  return jax.jit(cut)(batch)
+
+
+def optimizer_loop(s: Setup, grad_fn: Callable[[Any], Any]) -> list[Any] | None:
+  """The first updates of `s.optimizer` fed by `grad_fn(params)`, one call per update."""
+  if s.optimizer is None:
+    return None
+
+  def apply(params, state, grads):
+    u, state = s.optimizer.update(grads, state, params)
+    return optax.apply_updates(params, u), state, u
+
+  step = jax.jit(apply)
+  params, state, out = s.params, s.optimizer.init(s.params), []
+  for _ in range(s.num_updates):
+    params, state, u = step(params, state, grad_fn(params))
+    out.append(u)
+  return out
+
+
+def _microbatch_fn(s: Setup) -> Callable[..., Any]:
+  weight_fn = None if s.weight_fn is None else (lambda p, b: s.weight_fn(b))
+  kw = dict(weight_fn=weight_fn, accum_dtype=s.accum_dtype, axis_name=s.axis_name, mesh=s.mesh)
+  return s.aot("step", microbatch(jax.grad(s.loss), s.k, **kw), s.params, s.batch)
+
+
+def run_microbatch(s: Setup) -> Run:
+  f = _microbatch_fn(s)
+  grads = f(s.params, s.batch)
+  acc = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, _acc_dtype(s, g.dtype)), grads)
+  return Run(grads, optimizer_loop(s, lambda p: f(p, s.batch)), acc)
+
+
+def _custom_fn(s: Setup, fn: Callable[..., Any]) -> Callable[..., Any]:
+  """The user's accumulation; with keys, given the keyed loss and the key None (no dropout)."""
+  if s.keyed_loss is None:
+    call = lambda p, b: fn(s.loss, p, b)
+  else:
+    call = lambda p, b: fn(s.keyed_loss, p, b, None)
+  return s.aot("step", call, s.params, s.batch)
+
+
+def run_custom(s: Setup, fn: Callable[..., Any]) -> Run:
+  f = _custom_fn(s, fn)
+  return Run(f(s.params, s.batch), optimizer_loop(s, lambda p: f(p, s.batch)), None)
+
+
+def _acc_dtype(s: Setup, dtype: Any) -> Any:
+  """The dtype `microbatch` accumulates a gradient of `dtype` in (its contract)."""
+  return dtype if s.accum_dtype is None else jnp.promote_types(s.accum_dtype, dtype)
+
+
+def _make_tx(s: Setup, inner: optax.GradientTransformation) -> optax.GradientTransformation:
+  if s.wrap is not None:
+    return s.wrap(inner)
+  return accumulate(inner, s.k, accum_dtype=s.accum_dtype)
+
+
+def _drive(s: Setup, tx: optax.GradientTransformation, windows: int) -> tuple[list[Any], Any]:
+  """`windows` windows of k micro-steps through `tx`: each window's k-th update, the state."""
+
+  def micro_step(params, state, batch, weight):
+    kw = {} if weight is None else {"weight": weight}
+    return tx.update(jax.grad(s.loss)(params, batch), state, params, **kw)
+
+  step = jax.jit(micro_step)
+  params, state, out = s.params, tx.init(s.params), []
+  for _ in range(windows):
+    for i, batch in enumerate(s.micro):
+      w = None if s.weight_fn is None else jnp.asarray(s.weights[i], jnp.float32)
+      u, state = step(params, state, batch, w)
+      params = optax.apply_updates(params, u)
+    out.append(u)
+  return out, state
+
+
+def run_accumulate(s: Setup) -> Run:
+  (grads,), state = _drive(s, _make_tx(s, optax.identity()), 1)
+  updates = None
+  if s.optimizer is not None:
+    updates, _ = _drive(s, _make_tx(s, s.optimizer), s.num_updates)
+  acc = state.acc_grads if isinstance(state, AccumulateState) else None
+  return Run(grads, updates, acc)
+
+
+def _tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`inner`, keeping its last update in its state (TrainStep applies updates itself)."""
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return inner.init(params), optax.tree.zeros_like(params)
+
+  def update_fn(updates, state, params=None, **extra):
+    out, inner_state = inner.update(updates, state[0], params, **extra)
+    return out, (inner_state, out)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def train_step(s: Setup, inner: optax.GradientTransformation) -> TrainStep:
+  weight_fn = None if s.weight_fn is None else (lambda b: s.weight_fn(b))
+  return TrainStep(
+    s.loss, _tap(inner), s.k, donate=False, weight_fn=weight_fn, accum_dtype=s.accum_dtype,
+    axis_name=s.axis_name, mesh=s.mesh,
+  )  # fmt: skip
+
+
+def _windows(s: Setup, step: TrainStep, windows: int) -> tuple[list[Any], Any]:
+  params, state, out = s.params, step.init(s.params), []
+  for _ in range(windows):
+    for batch in s.micro:
+      params, state, _ = step(params, state, batch)
+    out.append(state.inner_state[1])
+  return out, state
+
+
+def run_train_step(s: Setup) -> Run:
+  (grads,), state = _windows(s, train_step(s, optax.identity()), 1)
+  updates = None
+  if s.optimizer is not None:
+    updates, _ = _windows(s, train_step(s, s.optimizer), s.num_updates)
+  return Run(grads, updates, state.acc_grads)
+
+
+def reductions(text: str, where: str = "all") -> int:
+  """Gradient-sized all-reduces and reduce-scatters of a compiled program (`GRAD_MIN_BYTES`)."""
+  return sum(
+    _hlo.count_collectives(text, kind, where=where, min_bytes=GRAD_MIN_BYTES) for kind in REDUCTIONS
+  )
+
+
+def gathers(text: str) -> int:
+  return _hlo.count_collectives(text, "all-gather", min_bytes=GRAD_MIN_BYTES)
+
+
+def programs(s: Setup, front_end: Any) -> dict[str, str] | None:
+  """The compiled programs' HLO text: ``{"step": …}`` for an in-step front end (its loop is
+  the micro-batch loop), ``{"accumulating": …, "closing": …}`` for `TrainStep`; None for
+  `accumulate`, whose step is the user's own program."""
+  if front_end == "microbatch":
+    return {"step": _microbatch_fn(s).as_text()}
+  if callable(front_end):
+    return {"step": _custom_fn(s, front_end).as_text()}
+  if front_end == "TrainStep":
+    step = train_step(s, s.optimizer or optax.identity())
+    state = step.init(s.params)
+    return {
+      "accumulating": step.lower(s.params, state, s.micro[0], emit=False).compile().as_text(),
+      "closing": step.lower(s.params, state, s.micro[0], emit=True).compile().as_text(),
+    }
+  return None
+
+
+def peak_bytes(s: Setup, front_end: Any) -> tuple[int | None, int | None]:
+  """Compiled peak bytes of the accumulated step (the in-step program, or one micro-step's
+  gradient for the across-steps front ends) and of the large batch's gradient."""
+  s.grad(s.batch), s.grad(s.micro[0])  # compiled here if not yet
+  name = "step" if front_end == "microbatch" or callable(front_end) else "micro"
+  return _hlo.memory(s.compiled[name]).get("peak"), _hlo.memory(s.compiled["large"]).get("peak")
