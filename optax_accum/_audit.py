@@ -118,11 +118,7 @@ class _Reference:
     self.implied, self.residual = fit(self.pieces, self.g)
     if self.residual <= self.tol:
       return None
-    return (
-      "the loss is not a sum over examples: the large batch's gradient is no weighted sum of "
-      "the micro-batches' (batch statistics such as BatchNorm, in-batch negatives, or a loss "
-      "normalised by the batch's own statistics)"
-    )
+    return "the loss is not a sum over examples"
 
 
 def _na(name: str, reason: str, threshold: str = "") -> Check:
@@ -201,6 +197,11 @@ def _decomposable(ref: _Reference) -> Check:
   threshold = f"residual {ref.threshold}"
   figure = f"large = Σ cᵢgᵢ to {fmt(ref.residual)}"
   if ref.not_sum:
+    figure += (
+      " at best: no weighted sum of the micro-batches' gradients makes the large batch's "
+      "(batch statistics such as BatchNorm, in-batch negatives, a loss normalised by the "
+      "batch's own statistics): accumulation cannot match it"
+    )
     return Check(name, f"n/a: {ref.not_sum}", figure, threshold)
   return Check(name, "ok", figure, threshold)
 
@@ -253,7 +254,7 @@ def _randomness(s: run.Setup, front_end: Any, rng: Any) -> Check:
 
 def _collectives(s: run.Setup, front_end: Any) -> Check:
   name = "collectives"
-  threshold = f"no gradient reduction per micro-batch (>= {run.GRAD_MIN_BYTES} B)"
+  threshold = f"no reduction over the data axis per micro-batch (>= {run.GRAD_MIN_BYTES} B)"
   if s.mesh is None and s.axis_name is None:
     return _na(name, "no mesh or axis_name given", threshold)
   texts = run.programs(s, front_end)
@@ -261,11 +262,11 @@ def _collectives(s: run.Setup, front_end: Any) -> Check:
     return _na(name, "accumulate runs in your own step: audit front_end='TrainStep'", threshold)
   if "step" in texts:
     text = texts["step"]
-    loop, total = run.reductions(text, "loop"), run.reductions(text)
+    loop, total = run.reductions(s, text, "loop"), run.reductions(s, text)
     figure = f"{total - loop} + {loop}×k reductions per update ({loop} in the micro-batch loop)"
     per_micro = loop
   else:
-    per_micro, close = run.reductions(texts["accumulating"]), run.reductions(texts["closing"])
+    per_micro, close = run.reductions(s, texts["accumulating"]), run.reductions(s, texts["closing"])
     figure = f"{close} + {per_micro}×k reductions per update ({per_micro} per micro-step)"
     text = texts["accumulating"] + texts["closing"]
   figure += f", {run.gathers(text)} all-gathers"

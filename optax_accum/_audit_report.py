@@ -27,6 +27,10 @@ class Check:
   def failed(self) -> bool:
     return self.verdict == "FAIL"
 
+  def __str__(self) -> str:
+    threshold = f" (threshold {self.threshold})" if self.threshold else ""
+    return f"{self.name}: {self.verdict}; {self.figure}{threshold}"
+
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:

@@ -8,6 +8,7 @@ the library's behaviour on the user's model, not a re-implementation of it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -71,8 +72,11 @@ class Run(NamedTuple):
 
 def strided(batch: Any, k: int) -> tuple[Any, ...]:
   """The k micro-batches of `microbatch`'s default split: rows ``i, i+k, …`` in micro-batch i
-  (one program: eager slicing would compile one per slice)."""
+  (host arrays on the host; device arrays in one program: eager slicing would compile one
+  program per slice)."""
   cut = lambda b: tuple(jax.tree.map(lambda x, i=i: x[i::k], b) for i in range(k))
+  if all(isinstance(x, np.ndarray) for x in jax.tree.leaves(batch)):
+    return cut(batch)
   return jax.jit(cut)(batch)
 
 
@@ -197,10 +201,55 @@ def run_train_step(s: Setup) -> Run:
   return Run(grads, updates, state.acc_grads)
 
 
-def reductions(text: str, where: str = "all") -> int:
-  """Gradient-sized all-reduces and reduce-scatters of a compiled program (`GRAD_MIN_BYTES`)."""
+def _groups(rest: str) -> list[list[int]] | None:
+  """The replica groups of one collective (its HLO line after the opcode), in the explicit or
+  the iota spelling; None for any other spelling (then the op is counted as a gradient one)."""
+  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
+  if m:
+    return [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
+  if not m:
+    return None
+  dims = [int(d) for d in m.group(3).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(4):
+    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+  return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+
+
+def _crosses(groups: list[list[int]] | None, mesh: Any, axis: Any) -> bool:
+  """Whether a collective with these groups reduces across the data axis of `mesh` (device
+  ids are positions in ``mesh.devices.flat``, the programs' device assignment)."""
+  if groups is None or mesh is None or axis not in mesh.axis_names:
+    return True
+  dim = mesh.axis_names.index(axis)
+  coord = lambda d: np.unravel_index(d, mesh.devices.shape)[dim]
+  return any(len({coord(d) for d in g}) > 1 for g in groups)
+
+
+def data_axis(s: Setup) -> Any:
+  """The data axis: `axis_name`, else the mesh axis the batch's rows are sharded over, else
+  the mesh's first axis."""
+  if s.axis_name is not None or s.mesh is None:
+    return s.axis_name
+  spec = getattr(getattr(jax.tree.leaves(s.batch)[0], "sharding", None), "spec", None)
+  return spec[0] if spec and isinstance(spec[0], str) else s.mesh.axis_names[0]
+
+
+def reductions(s: Setup, text: str, where: str = "all") -> int:
+  """Gradient reductions of a compiled program: all-reduces and reduce-scatters of at least
+  `GRAD_MIN_BYTES` across the data axis (a model axis's reductions of activations are not
+  counted); ``where="loop"``: only those inside a while loop."""
+  comps, entry = _hlo.computations(text)
+  roots = [entry]
+  if where == "loop":
+    roots = [c for ops in comps.values() for i in ops if i.op == "while" for c in _hlo.callees(i)]
+  axis = data_axis(s)
   return sum(
-    _hlo.count_collectives(text, kind, where=where, min_bytes=GRAD_MIN_BYTES) for kind in REDUCTIONS
+    _hlo.shape_bytes(i.shape) >= GRAD_MIN_BYTES and _crosses(_groups(i.rest), s.mesh, axis)
+    for c in _hlo.reachable(comps, roots)
+    for i in comps[c]
+    if i.op in REDUCTIONS or i.op.removesuffix("-start") in REDUCTIONS and i.op.endswith("-start")
   )
 
 
