@@ -236,6 +236,26 @@ def test_audit_train_step_on_8_devices():
   assert good["collectives"].verdict == "ok"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+  ("front_end", "axis_name"),
+  [("microbatch", "data"), ("TrainStep", "data"), ("accumulate", None)],
+)
+def test_audit_flags_mean_of_means_on_8_devices(front_end, axis_name):
+  mesh = jax.make_mesh((8,), ("data",))
+  lengths = np.tile([1, 8, 2, 7, 3, 6, 8, 1, 2, 8, 5, 4, 1, 1, 8, 8], 2)
+  tokens = jax.device_put(ref.token_data(4, lengths, tokens=8), NamedSharding(mesh, P("data")))
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  kw = dict(front_end=front_end, mesh=mesh, axis_name=axis_name, optimizer=optax.sgd(0.1))
+  bad = optax_accum.audit(ref.mlp_loss, params, tokens, K, **kw)
+  assert bad["weighting"].verdict == "FAIL", str(bad)
+  assert bad["equivalence: gradient"].verdict == "FAIL"
+  good = optax_accum.audit(ref.mlp_loss, params, tokens, K, weight_fn=ref.token_count, **kw)
+  assert good.ok, str(good)
+  collectives = "n/a" if front_end == "accumulate" else "ok"
+  assert good["collectives"].verdict.startswith(collectives)
+
+
 @pytest.mark.parametrize(
   ("kwargs", "match"),
   [
