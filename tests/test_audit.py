@@ -195,6 +195,24 @@ def test_audit_batch_norm_is_not_applicable():
   assert report.ok  # nothing the library could fix
 
 
+def test_audit_flags_an_error_that_rtol_0_01_would_hide():
+  def off_by_a_thousandth(loss_fn, params, batch):  # the mean, 0.1% too large
+    grads = [jax.grad(loss_fn)(params, b) for b in _micro(batch, K)]
+    return jax.tree.map(lambda *g: 1.001 * sum(g) / K, *grads)
+
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, front_end=off_by_a_thousandth)
+  assert report["equivalence: gradient"].verdict == "FAIL", str(report)
+  assert report["every micro-batch counted"].verdict == "FAIL"
+
+
+def test_audit_flags_a_bfloat16_accumulator():
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), PARAMS)
+  batch = jax.tree.map(lambda x: x.astype(jnp.bfloat16), BATCH)
+  report = optax_accum.audit(ref.mlp_loss, params, batch, K, accum_dtype=None)
+  assert report["accumulator"].verdict == "FAIL", str(report)
+  assert "bfloat16" in report["accumulator"].figure
+
+
 def test_audit_float64_threshold_is_tight():
   with jax.enable_x64(True):
     params = ref.mlp_params(0, (3, 16, 2), dtype=np.float64)
