@@ -9,6 +9,8 @@ micro-batch); these tests check what it concludes about paths whose bug is known
 construction.
 """
 
+import functools
+
 import _reference as ref
 import jax
 import jax.numpy as jnp
@@ -240,6 +242,48 @@ def test_audit_flags_reduction_per_micro_batch_on_8_devices():
   good = optax_accum.audit(ref.mlp_loss, params, batch, K, mesh=mesh, axis_name="data")
   assert good.ok, str(good)
   assert "0 in the micro-batch loop" in good["collectives"].figure
+
+
+def pmean_in_step(mesh, each_micro_batch):
+  """A hand-written in-step accumulation in `shard_map` over "data", reducing the gradient
+  once after the loop, or (MaxText #5056) once per micro-batch inside it."""
+
+  def fn(loss_fn, params, batch):
+    def local(params, batch):
+      params = jax.lax.pcast(params, "data", to="varying")  # local gradients
+      stacked = jax.tree.map(lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1), batch)
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      reduce = functools.partial(jax.lax.pmean, axis_name="data")
+      if each_micro_batch:
+        zeros = reduce(zeros)
+
+      def add(acc, b):
+        grads = jax.grad(loss_fn)(params, b)
+        return optax.tree.add(acc, reduce(grads) if each_micro_batch else grads), None
+
+      acc, _ = jax.lax.scan(add, zeros, stacked)
+      acc = optax.tree.scale(1 / K, acc)
+      return acc if each_micro_batch else reduce(acc)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())(params, batch)
+
+  return fn
+
+
+@pytest.mark.slow
+def test_audit_flags_hand_written_reduction_per_micro_batch_on_8_devices():
+  mesh = jax.make_mesh((8,), ("data",))
+  params, batch = _mesh_args(mesh)
+  bad = optax_accum.audit(
+    ref.mlp_loss, params, batch, K, front_end=pmean_in_step(mesh, True), mesh=mesh
+  )
+  assert bad["collectives"].verdict == "FAIL", str(bad)
+  assert "1 in the micro-batch loop" in bad["collectives"].figure
+  assert bad["equivalence: gradient"].verdict == "ok"  # "the only symptom is wasted traffic"
+  good = optax_accum.audit(
+    ref.mlp_loss, params, batch, K, front_end=pmean_in_step(mesh, False), mesh=mesh
+  )
+  assert good.ok, str(good)
 
 
 @pytest.mark.slow
