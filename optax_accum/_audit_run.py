@@ -1,4 +1,4 @@
-"""The audit's runs: the accumulated gradient and the first updates through each front end.
+"""The audit's runs: the accumulated gradient, and the first updates of the across-steps front ends.
 
 Every run uses the public front ends as a user would, on the same strided micro-batches
 (micro-batch ``i`` holds rows ``i, i+k, …``, `microbatch`'s default split): what is measured is
@@ -66,8 +66,16 @@ class Run(NamedTuple):
   """What one front end produced."""
 
   grads: Any  # the accumulated gradient at the initial parameters
-  updates: list[Any] | None  # the first `num_updates` updates (None without an optimizer)
+  windows: list[Window] | None  # the first `num_updates` updates (None without an optimizer)
   accumulator: Any  # the accumulator's arrays (or their shapes), None where not visible
+
+
+class Window(NamedTuple):
+  """One update of an across-steps front end, as the inner optimizer saw it."""
+
+  params: Any  # the parameters the update was computed at
+  grads: Any  # the gradient the inner optimizer received
+  updates: Any  # the update it returned
 
 
 def strided(batch: Any, k: int) -> tuple[Any, ...]:
@@ -80,23 +88,6 @@ def strided(batch: Any, k: int) -> tuple[Any, ...]:
   return jax.jit(cut)(batch)
 
 
-def optimizer_loop(s: Setup, grad_fn: Callable[[Any], Any]) -> list[Any] | None:
-  """The first updates of `s.optimizer` fed by `grad_fn(params)`, one call per update."""
-  if s.optimizer is None:
-    return None
-
-  def apply(params, state, grads):
-    u, state = s.optimizer.update(grads, state, params)
-    return optax.apply_updates(params, u), state, u
-
-  step = jax.jit(apply)
-  params, state, out = s.params, s.optimizer.init(s.params), []
-  for _ in range(s.num_updates):
-    params, state, u = step(params, state, grad_fn(params))
-    out.append(u)
-  return out
-
-
 def _microbatch_fn(s: Setup) -> Callable[..., Any]:
   weight_fn = None if s.weight_fn is None else (lambda p, b: s.weight_fn(b))
   kw = dict(weight_fn=weight_fn, accum_dtype=s.accum_dtype, axis_name=s.axis_name, mesh=s.mesh)
@@ -107,7 +98,7 @@ def run_microbatch(s: Setup) -> Run:
   f = _microbatch_fn(s)
   grads = f(s.params, s.batch)
   acc = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, _acc_dtype(s, g.dtype)), grads)
-  return Run(grads, optimizer_loop(s, lambda p: f(p, s.batch)), acc)
+  return Run(grads, None, acc)
 
 
 def _custom_fn(s: Setup, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,7 +112,7 @@ def _custom_fn(s: Setup, fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def run_custom(s: Setup, fn: Callable[..., Any]) -> Run:
   f = _custom_fn(s, fn)
-  return Run(f(s.params, s.batch), optimizer_loop(s, lambda p: f(p, s.batch)), None)
+  return Run(f(s.params, s.batch), None, None)
 
 
 def _acc_dtype(s: Setup, dtype: Any) -> Any:
@@ -135,8 +126,41 @@ def _make_tx(s: Setup, inner: optax.GradientTransformation) -> optax.GradientTra
   return accumulate(inner, s.k, accum_dtype=s.accum_dtype)
 
 
-def _drive(s: Setup, tx: optax.GradientTransformation, windows: int) -> tuple[list[Any], Any]:
-  """`windows` windows of k micro-steps through `tx`: each window's k-th update, the state."""
+class Tapped(NamedTuple):
+  """The state of `tap`: the inner state, and the inner optimizer's last input and output."""
+
+  inner_state: Any
+  grads: Any
+  updates: Any
+
+
+def tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """`inner`, keeping its last gradient and update in its state, where the audit reads them
+  (whatever transformation wraps it: a `Tapped` is found anywhere in a state)."""
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    zeros = optax.tree.zeros_like(params)
+    return Tapped(inner.init(params), zeros, zeros)
+
+  def update_fn(updates, state, params=None, **extra):
+    out, inner_state = inner.update(updates, state.inner_state, params, **extra)
+    return out, Tapped(inner_state, updates, out)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def tapped(state: Any) -> Tapped:
+  found = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, Tapped))
+  found = [x for x in found if isinstance(x, Tapped)]
+  if len(found) != 1:
+    raise ValueError("audit: wrap(inner) must keep the inner optimizer's state in its own state.")
+  return found[0]
+
+
+def _drive(s: Setup, tx: optax.GradientTransformation, windows: int) -> tuple[list[Window], Any]:
+  """`windows` windows of k micro-steps through ``tx`` (which wraps a `tap`): each window's
+  parameters, and the gradient and update of its k-th micro-step; the last state."""
 
   def micro_step(params, state, batch, weight):
     kw = {} if weight is None else {"weight": weight}
@@ -145,60 +169,48 @@ def _drive(s: Setup, tx: optax.GradientTransformation, windows: int) -> tuple[li
   step = jax.jit(micro_step)
   params, state, out = s.params, tx.init(s.params), []
   for _ in range(windows):
+    start = params
     for i, batch in enumerate(s.micro):
       w = None if s.weight_fn is None else jnp.asarray(s.weights[i], jnp.float32)
       u, state = step(params, state, batch, w)
       params = optax.apply_updates(params, u)
-    out.append(u)
+    out.append(Window(start, tapped(state).grads, u))
   return out, state
 
 
 def run_accumulate(s: Setup) -> Run:
-  (grads,), state = _drive(s, _make_tx(s, optax.identity()), 1)
-  updates = None
+  (window,), state = _drive(s, _make_tx(s, tap(optax.identity())), 1)
+  windows = None
   if s.optimizer is not None:
-    updates, _ = _drive(s, _make_tx(s, s.optimizer), s.num_updates)
+    windows, _ = _drive(s, _make_tx(s, tap(s.optimizer)), s.num_updates)
   acc = state.acc_grads if isinstance(state, AccumulateState) else None
-  return Run(grads, updates, acc)
-
-
-def _tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """`inner`, keeping its last update in its state (TrainStep applies updates itself)."""
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params):
-    return inner.init(params), optax.tree.zeros_like(params)
-
-  def update_fn(updates, state, params=None, **extra):
-    out, inner_state = inner.update(updates, state[0], params, **extra)
-    return out, (inner_state, out)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return Run(window.updates, windows, acc)
 
 
 def train_step(s: Setup, inner: optax.GradientTransformation) -> TrainStep:
   weight_fn = None if s.weight_fn is None else (lambda b: s.weight_fn(b))
   return TrainStep(
-    s.loss, _tap(inner), s.k, donate=False, weight_fn=weight_fn, accum_dtype=s.accum_dtype,
+    s.loss, tap(inner), s.k, donate=False, weight_fn=weight_fn, accum_dtype=s.accum_dtype,
     axis_name=s.axis_name, mesh=s.mesh,
   )  # fmt: skip
 
 
-def _windows(s: Setup, step: TrainStep, windows: int) -> tuple[list[Any], Any]:
+def _windows(s: Setup, step: TrainStep, windows: int) -> tuple[list[Window], Any]:
   params, state, out = s.params, step.init(s.params), []
   for _ in range(windows):
+    start = params
     for batch in s.micro:
       params, state, _ = step(params, state, batch)
-    out.append(state.inner_state[1])
+    out.append(Window(start, state.inner_state.grads, state.inner_state.updates))
   return out, state
 
 
 def run_train_step(s: Setup) -> Run:
-  (grads,), state = _windows(s, train_step(s, optax.identity()), 1)
-  updates = None
+  (window,), state = _windows(s, train_step(s, optax.identity()), 1)
+  windows = None
   if s.optimizer is not None:
-    updates, _ = _windows(s, train_step(s, s.optimizer), s.num_updates)
-  return Run(grads, updates, state.acc_grads)
+    windows, _ = _windows(s, train_step(s, s.optimizer), s.num_updates)
+  return Run(window.updates, windows, state.acc_grads)
 
 
 def _groups(rest: str) -> list[list[int]] | None:
