@@ -8,6 +8,7 @@ public subpackage :mod:`optax_accum.privacy`.
 # the core's modules, never the reverse.
 from optax_accum import privacy as privacy
 from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+from optax_accum._audit import AuditReport, audit
 from optax_accum._data_parallel import data_parallel
 from optax_accum._gain import GainState, progress, scale_by_gain
 from optax_accum._hlo import count_collectives
@@ -20,6 +21,7 @@ from optax_accum._train_step import TrainStep
 
 __all__ = [
   "AccumulateState",
+  "AuditReport",
   "FollowNoiseScale",
   "GainState",
   "MicrobatchInfo",
@@ -27,6 +29,7 @@ __all__ = [
   "NoiseScale",
   "TrainStep",
   "accumulate",
+  "audit",
   "count_collectives",
   "data_parallel",
   "has_updated",
