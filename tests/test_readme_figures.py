@@ -1,6 +1,6 @@
 """Every figure README.md states comes from a committed results file, and matches it.
 
-* the digits demo's table: `benchmarks/results/cpu/digits.md` (the committed run of
+* the digits demo's table: `benchmarks/results/digits/results.md` (the committed run of
   ``python -m optax_accum.demo``), quoted whole;
 * the fast-path table and the figures around it: `benchmarks/results/cpu/results.md` and
   ``results.json`` (``python benchmarks/bench.py``);
@@ -20,6 +20,7 @@ README = (ROOT / "README.md").read_text()
 CPU = ROOT / "benchmarks" / "results" / "cpu"
 RESULTS_MD = (CPU / "results.md").read_text()
 RESULTS = json.loads((CPU / "results.json").read_text())
+DIGITS = ROOT / "benchmarks" / "results" / "digits" / "results.md"
 
 # README's rows of the fast-path table -> the rows of results.md's summary tables.
 ROWS = {
@@ -50,9 +51,9 @@ def _adam(model: str) -> list[dict]:
 
 
 def test_readme_digits_table_is_the_committed_run():
-  committed = re.search(r"```text\n(.*?)```", (CPU / "digits.md").read_text(), re.S).group(1)
+  committed = re.search(r"```text\n(.*?)```", DIGITS.read_text(), re.S).group(1)
   quoted = re.search(r"```text\n(.*?)```", _section(README, "## The main job"), re.S).group(1)
-  assert quoted == committed, "README's digits table differs from benchmarks/results/cpu/digits.md"
+  assert quoted == committed, f"README's digits table differs from {DIGITS}"
 
 
 def test_readme_fast_path_table_is_the_committed_summary():

@@ -9,6 +9,10 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two pytest sessions in subprocesses
+
 CONFTEST = pathlib.Path(__file__).resolve().parent / "conftest.py"
 
 PROBE = """
