@@ -111,6 +111,7 @@ class Config(NamedTuple):
   skip_nonfinite: bool
   axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
   noise: bool  # keep the noise-scale statistics (`_noise`) in the state
+  rounding: str | None = None  # None, "nearest" or "stochastic" (`_core.check_rounding`)
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -137,6 +138,7 @@ def make_config(
   skip_nonfinite: bool,
   axis_name: AxisName | None,
   noise_scale: bool = False,
+  rounding: str | None = None,
 ) -> Config:
   """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
   if not isinstance(noise_scale, bool):
@@ -157,6 +159,7 @@ def make_config(
     skip_nonfinite=bool(skip_nonfinite),
     axis=_collectives.resolve(axis_name),
     noise=noise_scale or follows,  # following the noise scale needs its statistics
+    rounding=_core.check_rounding(rounding, _checks.accum_dtype(accum_dtype)),
   )
 
 
@@ -220,7 +223,10 @@ def _check_dtypes(cfg: Config, grads: Any, acc: Any, params: Any) -> None:
 
 def _made_dtypes(cfg: Config, made: Any) -> list[Any]:
   """The accumulator dtypes `init` makes from `made` (the parameters, or the accumulator)."""
-  return [jnp.dtype(_core.accum_dtype_for(x, cfg.accum_dtype)) for x in jax.tree.leaves(made)]
+  exact = cfg.rounding is not None
+  return [
+    jnp.dtype(_core.accum_dtype_for(x, cfg.accum_dtype, exact=exact)) for x in jax.tree.leaves(made)
+  ]
 
 
 def _check_tree(grads: Any, reference: Any, skip: int, name: str, described: str) -> None:
@@ -397,6 +403,9 @@ def add(
     restart=restart,
     finite=finite,
     agree=cfg.axis.agree,
+    key=_core.rounding_key(state.gradient_step, state.mini_step)
+    if cfg.rounding == "stochastic"
+    else None,
   )
 
 
@@ -739,7 +748,8 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   axis.check_bound("accumulate.init")
   acc = None
   if not cfg.unaccumulated:
-    acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
+    exact = cfg.rounding is not None
+    acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype, exact=exact))
   inner_state = _inner_init(cfg, params)
   if _gain.holds_gain(inner_state) and not cfg.noise:
     raise ValueError(GAIN_WITHOUT_NOISE)
@@ -836,6 +846,7 @@ def accumulate(
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
   noise_scale: bool = False,
+  rounding: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
 
@@ -897,6 +908,13 @@ def accumulate(
       one global micro-batch: under `axis_name` each device's share weighs 1/n. End the
       inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
       gain. Default False: none of this.
+    rounding: None (default): the accumulator is never narrower than a gradient. "nearest" or
+      "stochastic": it is `accum_dtype` itself, also narrower (a 2-byte accumulator:
+      ``accum_dtype=jnp.bfloat16``). "nearest": each addition in `accum_dtype`, rounded to
+      nearest (what bfloat16 gradients summed in bfloat16 do; its error grows with the
+      window). "stochastic" (bfloat16 only): each addition in float32, rounded to bfloat16 up
+      or down at random, unbiased; keyed per micro-step from the state's step counters, so
+      reproducible and resumable bit for bit. See the fast-path guide for what each costs.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.
@@ -921,5 +939,7 @@ def accumulate(
   Array([-3.25, -3.25], dtype=float32)
   """
   return transformation(
-    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
+    make_config(
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale, rounding
+    )
   )
