@@ -112,6 +112,9 @@ class Config(NamedTuple):
   axis: _collectives.Axis | _collectives.NoAxis  # resolved once (`_collectives.resolve`)
   noise: bool  # keep the noise-scale statistics (`_noise`) in the state
   rounding: str | None = None  # None, "nearest" or "stochastic" (`_core.check_rounding`)
+  # skip_nonfinite="window": no finite check per micro-step (each gradient read once, by the
+  # add); a window whose sums are not finite at emission is dropped whole and counted.
+  window_check: bool = False
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -144,6 +147,7 @@ def make_config(
   if not isinstance(noise_scale, bool):
     raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
   follows = isinstance(every_k, _noise.FollowNoiseScale)
+  window = _core.check_skip_window(skip_nonfinite, noise_scale or follows)
   if not callable(every_k) and not follows:
     every_k = _checks.positive_int(
       every_k,
@@ -156,7 +160,9 @@ def make_config(
     every_k=every_k,
     reduction=_checks.reduction(reduction),
     accum_dtype=_checks.accum_dtype(accum_dtype),
-    skip_nonfinite=bool(skip_nonfinite),
+    # every_k=1: a window is one micro-batch, whose own check is the window's
+    skip_nonfinite=bool(skip_nonfinite) and not (window and every_k != 1),
+    window_check=window and every_k != 1,
     axis=_collectives.resolve(axis_name),
     noise=noise_scale or follows,  # following the noise scale needs its statistics
     rounding=_core.check_rounding(rounding, _checks.accum_dtype(accum_dtype)),
@@ -604,6 +610,8 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
     closed = Closed(*apply(window), jnp.asarray(True))
   else:
     applied = window.total > 0
+    if cfg.window_check:  # the window's sums, read once at emission (global with an axis)
+      applied = applied & _core.all_finite(window.sums)
     closed = Closed(
       *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
     )
@@ -651,6 +659,9 @@ def emit_dynamic(
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
+  if cfg.window_check:  # read on the micro-step that closes the window only
+    finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
+    applies = applies & finite
   if window.noise is not None and applies is not True and SUMS_SQ_READ != "inside":
     # ``|Σ wᵢgᵢ|²`` read in a conditional of its own, before the one that closes the window:
     # read inside that one, it keeps XLA from updating the sums in place, and its branch that
@@ -677,11 +688,16 @@ def advance(
   dropped: jax.Array,
   closed: Closed,
   emitting: Any,
+  in_window: jax.Array | None = None,
 ) -> AccumulateState:
-  """The state after this micro-step (`emitting`: a bool or boolean scalar)."""
+  """The state after this micro-step (`emitting`: a bool or boolean scalar; `in_window`: the
+  window's micro-batches, default ``mini_step + 1``, counted when `window_check` drops it)."""
   axis = cfg.axis
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
   applied, noise = closed.applied, closed.noise
+  if cfg.window_check:  # a window with weight that did not apply: its sums were not finite
+    whole = state.mini_step + 1 if in_window is None else in_window
+    skipped = skipped + jnp.where(emitting & ~applied & (total > 0), whole, 0).astype(jnp.int32)
   k = window_length(cfg, state)
   gradient_step = jnp.where(
     applied, optax.safe_increment(state.gradient_step), state.gradient_step
@@ -720,7 +736,7 @@ def close_from_state(
   closed = close_window(cfg, like, APPLY, True, window)  # an accumulated window can be empty
   new_params, sums = closed.out
   dropped = jnp.asarray(False)  # the accumulating step counted this micro-batch
-  return new_params, advance(cfg, state, sums, total, dropped, closed, True)
+  return new_params, advance(cfg, state, sums, total, dropped, closed, True, state.mini_step)
 
 
 def _per_device_noise(axis: Any, noise: Any) -> Any:
@@ -892,7 +908,9 @@ def accumulate(
       With `axis_name`, each device decides for its own piece of the micro-batch (no collective
       on the accumulating steps): a NaN on one device drops that device's piece only; across
       the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
-      piece on every shard).
+      piece on every shard). "window": no check per micro-step (each gradient is read once,
+      by the add); at emission a window whose (global) sums hold a NaN or Inf is dropped
+      whole, its micro-batches counted in `num_skipped`. Not with `noise_scale`.
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:

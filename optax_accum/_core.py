@@ -103,6 +103,23 @@ def check_rounding(rounding: Any, accum_dtype: Any) -> str | None:
   return rounding
 
 
+def check_skip_window(skip_nonfinite: Any, noise_scale: bool) -> bool:
+  """Whether `skip_nonfinite` is "window" (checked: a bool or "window"; "window" refuses the
+  noise statistics, whose per-micro-batch squared norm is a second read of each gradient)."""
+  if not isinstance(skip_nonfinite, str):
+    return False
+  if skip_nonfinite != "window":
+    raise ValueError(f"skip_nonfinite must be a bool or 'window', got {skip_nonfinite!r}.")
+  if noise_scale:
+    raise ValueError(
+      "skip_nonfinite='window' reads each gradient once (the add into the accumulator), but "
+      "noise_scale=True (or FollowNoiseScale) reads every micro-batch's |g|^2 as well. Use "
+      "skip_nonfinite=True with the noise statistics (their squared norm is then also the "
+      "finite check), or noise_scale=False."
+    )
+  return True
+
+
 def rounding_key(gradient_step: jax.Array, mini_step: jax.Array) -> jax.Array:
   """The stochastic-rounding key of one micro-step: `ROUNDING_SEED` folded with the state's
   position, so that the same state always draws the same bits."""

@@ -153,7 +153,9 @@ class TrainStep:
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
       raises rather than being narrowed.
-    skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients.
+    skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients;
+      "window": check each window's sums once, at emission, so that the accumulating program
+      reads each gradient once (use it with ``grad_buffer=False``, a second reader on CPU).
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
       default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap

@@ -9,6 +9,8 @@ devices are conftest's host CPU devices.
 
 from __future__ import annotations
 
+import re
+
 import _reference as ref
 import chex
 import jax
@@ -20,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
+from optax_accum._hlo import computations
 
 D = 8
 SIZES = (4, 16, 8)  # every weight matrix's dimensions divide by 8 (and by 4 x 2)
@@ -223,3 +226,84 @@ def test_rounding_bad_arguments(kw, said):
     optax_accum.accumulate(optax.sgd(0.1), 2, **kw)
   with pytest.raises(ValueError, match=said):
     optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# The one-read accumulating program: skip_nonfinite="window".
+
+
+def _users(instructions: list, name: str) -> list:
+  """The instructions that take `name` as an operand."""
+  token = re.compile(rf"%{re.escape(name)}[,)\s]")
+  return [i for i in instructions if token.search(i.rest)]
+
+
+def test_window_check_accumulating_program_reads_each_gradient_once():
+  params = ref.mlp_params(0, SIZES)
+  x = _batches(1)[0]
+  shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values() if p.ndim == 2}
+  users = {}
+  for skip in (True, "window"):
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, skip_nonfinite=skip, grad_buffer=False)
+    text = step.lower(params, step.init(params), x).compile().as_text()
+    comps, entry = computations(text)
+    body = comps[entry]
+    grads = [i for i in body if i.op == "dot" and i.shape.split("{")[0] in shapes]
+    assert len(grads) == 2, [(i.name, i.shape) for i in grads]  # the weight gradients
+    users[skip] = {g.name: _users(body, g.name) for g in grads}
+    if skip == "window":
+      acc = {i.name: re.match(r"(\d+)\)", i.rest).group(1)
+             for i in body if i.op == "parameter" and "acc_grads" in i.name}  # fmt: skip
+      for g, (user,) in users[skip].items():  # one user: the add into the accumulator
+        read = [a for a in acc if re.search(rf"%{re.escape(a)}[,)\s]", user.rest)]
+        assert len(read) == 1, (g, user)
+        index = acc[read[0]]  # ... which is donated: output aliased with its input
+        assert re.search(rf"\{{{index}\}}: \({index}, \{{\}}, may-alias\)", text), index
+  # the control: the per-micro-batch check reads a gradient twice (its dot, then the add)
+  assert any(len(u) == 2 for u in users[True].values()), users[True]
+
+
+def _run_window_mode(step, micro, nan_at=None):
+  params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  state = step.init(params)
+  for i, x in enumerate(micro):
+    if i == nan_at:
+      x = {**x, "x": x["x"].copy()}
+      x["x"][0, 0] = np.nan
+    params, state, _ = step(params, state, x)
+  return params, state
+
+
+def test_window_check_equals_the_per_micro_batch_check_and_drops_whole_windows():
+  micro = _batches(8)
+  make = lambda skip: optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, skip_nonfinite=skip)  # noqa: E731
+  want, _ = _run_window_mode(make(True), micro)
+  got, state = _run_window_mode(make("window"), micro)
+  chex.assert_trees_all_equal(got, want)  # finite data: bit for bit
+  assert int(state.num_skipped) == 0
+  # A NaN in the second window: the whole window is dropped and its 4 micro-batches counted;
+  # the result is the first window's update alone, and the third window goes on from it.
+  got, state = _run_window_mode(make("window"), micro, nan_at=5)
+  first, _ = _run_window_mode(make(True), micro[:4])
+  chex.assert_trees_all_equal(got, first)
+  assert (int(state.num_skipped), int(state.gradient_step)) == (4, 1)
+  # The protocol path (emission decided on the device) does the same.
+  tx = optax_accum.accumulate(ref.ADAM, 4, skip_nonfinite="window")
+  params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  opt = tx.init(params)
+  update = jax.jit(tx.update)
+  for i, x in enumerate(micro):
+    grads = jax.grad(ref.mlp_loss)(params, x)
+    if i == 5:
+      grads = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+    updates, opt = update(grads, opt, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_close(params, first, rtol=1e-6, atol=1e-7)
+  assert (int(opt.num_skipped), int(opt.gradient_step)) == (4, 1)
+
+
+def test_window_check_refuses_the_noise_statistics():
+  with pytest.raises(ValueError, match="skip_nonfinite='window' reads each gradient once"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, skip_nonfinite="window", noise_scale=True)
+  with pytest.raises(ValueError, match="skip_nonfinite must be a bool or 'window', got 'x'"):
+    optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, skip_nonfinite="x")
