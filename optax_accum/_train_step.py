@@ -103,9 +103,19 @@ def _unlike(compiled: Any, operands: tuple) -> bool:
 def _check_live(params: Any, state: Any) -> None:
   """Raises if an array of the parameters or the state was deleted: donated to an earlier
   call (a compiled program handed a deleted buffer can crash the process, not raise)."""
+  concrete: dict[type, bool] = {}  # per leaf type, once (an ABC isinstance is slow per leaf)
+
+  def deleted(x: Any) -> bool:
+    t = type(x)
+    if t not in concrete:
+      concrete[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+    return concrete[t] and x.is_deleted()
+
   for name, tree in (("params", params), ("state", state)):
+    if not any(map(deleted, jax.tree.leaves(tree))):  # the per-call cost: no tree paths
+      continue
     for path, x in jax.tree.leaves_with_path(tree):
-      if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.is_deleted():
+      if deleted(x):
         raise ValueError(
           f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
           "to an earlier call (TrainStep donates the parameters and the state, donate=True) "
