@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU, at most 8 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
 # TrainStep, both emission modes), the within-step section, the noise-scale cost, TrainStep's
-# compile time, then the language model's tokens/s at a size that keeps the GPU busy. Writes
-# benchmarks/results/gpu/ (bench tables and plots, compile.md, lm/).
+# compile time, issue 33's modes (benchmarks/accel.py: TrainStep per micro-step with each
+# accumulator, the protocol path's device conditional against static emit= and TrainStep, and
+# whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO),
+# then the language model's tokens/s at a size that keeps the GPU busy. Writes
+# benchmarks/results/gpu/ (bench tables and plots, compile.md, accel.md, lm/).
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
@@ -18,13 +21,17 @@ start=$SECONDS
 scale=gpu_short
 out=benchmarks/results/gpu
 lm=(--size gpu)
-limit=(timeout 360)  # each phase has its own limit: the whole stays within 8 minutes (6 + 2)
+limit=(timeout 320)  # each phase has its own limit: the whole stays within 8 minutes
+accel_limit=(timeout 40)  # (320 + 40 + 120 s)
+accel=()
 lm_limit=(timeout 120)
 if [[ "${1:-}" == "--dry-run" ]]; then
   scale=gpu_dry_run
   out=benchmarks/results/tmp/gpu-dry-run
   lm=(--size dry)
   limit=()  # a shared CPU is slower than the GPU budget assumes
+  accel_limit=()
+  accel=(--quick)
   # Nothing is measured: XLA's CPU backend compiles without LLVM's optimizations (half the time).
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
   XLA_FLAGS+=" --xla_llvm_disable_expensive_passes=true"
@@ -36,6 +43,8 @@ fi
 python -c "import jax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind)"
 bench=("${limit[@]}" python benchmarks/bench.py --scale "$scale"
   --only cross,emission,noise,within,compile --out "$out")
+accel_run=("${accel_limit[@]}" python benchmarks/accel.py "${accel[@]}" --only microstep,fusion
+  --out "$out")
 lm_run=("${lm_limit[@]}" python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm")
 if [[ "$scale" == gpu_dry_run ]]; then
   # Both phases at once: each is mostly single-threaded XLA compilation, and a CPU has 2+ cores.
@@ -46,8 +55,10 @@ if [[ "$scale" == gpu_dry_run ]]; then
     exit 1
   fi
   wait "$bench_pid"
+  "${accel_run[@]}"
 else
   "${bench[@]}"
+  "${accel_run[@]}"
   "${lm_run[@]}"
 fi
 echo "gpu.sh: done in $((SECONDS - start)) s -> $out"

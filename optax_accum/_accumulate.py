@@ -113,6 +113,10 @@ class Config(NamedTuple):
   noise: bool  # keep the noise-scale statistics (`_noise`) in the state
   front: str = "accumulate"  # the front end the messages name ("TrainStep" for its own)
   weighted: bool = False  # TrainStep's weight_fn weighs each micro-batch
+  rounding: str | None = None  # None, "nearest" or "stochastic" (`_core.check_rounding`)
+  # skip_nonfinite="window": no finite check per micro-step (each gradient read once, by the
+  # add); a window whose sums are not finite at emission is dropped whole and counted.
+  window_check: bool = False
 
   @property
   def axis_name(self) -> AxisName | None:
@@ -139,11 +143,13 @@ def make_config(
   skip_nonfinite: bool,
   axis_name: AxisName | None,
   noise_scale: bool = False,
+  rounding: str | None = None,
 ) -> Config:
   """Checks `accumulate`'s arguments (raising errors that name them) into a `Config`."""
   if not isinstance(noise_scale, bool):
     raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
   follows = isinstance(every_k, _noise.FollowNoiseScale)
+  window = _core.check_skip_window(skip_nonfinite, noise_scale or follows)
   if not callable(every_k) and not follows:
     every_k = _checks.positive_int(
       every_k,
@@ -156,9 +162,12 @@ def make_config(
     every_k=every_k,
     reduction=_checks.reduction(reduction),
     accum_dtype=_checks.accum_dtype(accum_dtype),
-    skip_nonfinite=bool(skip_nonfinite),
+    # every_k=1: a window is one micro-batch, whose own check is the window's
+    skip_nonfinite=bool(skip_nonfinite) and not (window and every_k != 1),
+    window_check=window and every_k != 1,
     axis=_collectives.resolve(axis_name),
     noise=noise_scale or follows,  # following the noise scale needs its statistics
+    rounding=_core.check_rounding(rounding, _checks.accum_dtype(accum_dtype)),
   )
 
 
@@ -250,7 +259,10 @@ def _check_dtypes(cfg: Config, grads: Any, acc: Any, params: Any) -> None:
 
 def _made_dtypes(cfg: Config, made: Any) -> list[Any]:
   """The accumulator dtypes `init` makes from `made` (the parameters, or the accumulator)."""
-  return [jnp.dtype(_core.accum_dtype_for(x, cfg.accum_dtype)) for x in jax.tree.leaves(made)]
+  exact = cfg.rounding is not None
+  return [
+    jnp.dtype(_core.accum_dtype_for(x, cfg.accum_dtype, exact=exact)) for x in jax.tree.leaves(made)
+  ]
 
 
 def _check_tree(grads: Any, reference: Any, skip: int, name: str, described: str) -> None:
@@ -429,6 +441,9 @@ def add(
     restart=restart,
     finite=finite,
     agree=cfg.axis.agree,
+    key=_core.rounding_key(state.gradient_step, state.mini_step)
+    if cfg.rounding == "stochastic"
+    else None,
   )
 
 
@@ -628,6 +643,8 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
     closed = Closed(*apply(window), jnp.asarray(True))
   else:
     applied = window.total > 0
+    if cfg.window_check:  # the window's sums, read once at emission (global with an axis)
+      applied = applied & _core.all_finite(window.sums)
     closed = Closed(
       *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
     )
@@ -678,6 +695,9 @@ def emit_dynamic(
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
   applies = emitting & (window.total > 0) if guard else emitting
+  if cfg.window_check:  # read on the micro-step that closes the window only
+    finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
+    applies = applies & finite
   if window.noise is not None and applies is not True and SUMS_SQ_READ != "inside":
     # ``|Σ wᵢgᵢ|²`` read in a conditional of its own, before the one that closes the window:
     # read inside that one, it keeps XLA from updating the sums in place, and its branch that
@@ -704,11 +724,16 @@ def advance(
   dropped: jax.Array,
   closed: Closed,
   emitting: Any,
+  in_window: jax.Array | None = None,
 ) -> AccumulateState:
-  """The state after this micro-step (`emitting`: a bool or boolean scalar)."""
+  """The state after this micro-step (`emitting`: a bool or boolean scalar; `in_window`: the
+  window's micro-batches, default ``mini_step + 1``, counted when `window_check` drops it)."""
   axis = cfg.axis
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
   applied, noise = closed.applied, closed.noise
+  if cfg.window_check:  # a window with weight that did not apply: its sums were not finite
+    whole = state.mini_step + 1 if in_window is None else in_window
+    skipped = skipped + jnp.where(emitting & ~applied & (total > 0), whole, 0).astype(jnp.int32)
   k = window_length(cfg, state)
   gradient_step = jnp.where(
     applied, optax.safe_increment(state.gradient_step), state.gradient_step
@@ -747,7 +772,7 @@ def close_from_state(
   closed = close_window(cfg, like, APPLY, True, window)  # an accumulated window can be empty
   new_params, sums = closed.out
   dropped = jnp.asarray(False)  # the accumulating step counted this micro-batch
-  return new_params, advance(cfg, state, sums, total, dropped, closed, True)
+  return new_params, advance(cfg, state, sums, total, dropped, closed, True, state.mini_step)
 
 
 def _per_device_noise(axis: Any, noise: Any) -> Any:
@@ -775,7 +800,8 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   axis.check_bound("accumulate.init")
   acc = None
   if not cfg.unaccumulated:
-    acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype))
+    exact = cfg.rounding is not None
+    acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype, exact=exact))
   inner_state = _inner_init(cfg, params)
   if _checks.holds_private_state(inner_state):
     check_private(cfg, f"{cfg.front}.init", params, inner_state)
@@ -924,6 +950,7 @@ def accumulate(
   skip_nonfinite: bool = True,
   axis_name: AxisName | None = None,
   noise_scale: bool = False,
+  rounding: str | None = None,
   **multisteps: Any,
 ) -> optax.GradientTransformationExtraArgs:
   """Accumulates weighted micro-batch gradients and applies `inner` every `every_k` steps.
@@ -970,7 +997,9 @@ def accumulate(
       With `axis_name`, each device decides for its own piece of the micro-batch (no collective
       on the accumulating steps): a NaN on one device drops that device's piece only; across
       the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
-      piece on every shard).
+      piece on every shard). "window": no check per micro-step (each gradient is read once,
+      by the add); at emission a window whose (global) sums hold a NaN or Inf is dropped
+      whole, its micro-batches counted in `num_skipped`. Not with `noise_scale`.
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:
@@ -986,6 +1015,13 @@ def accumulate(
       one global micro-batch: under `axis_name` each device's share weighs 1/n. End the
       inner chain with `optax_accum.scale_by_gain` to scale the learning rate by the AdaScale
       gain. Default False: none of this.
+    rounding: None (default): the accumulator is never narrower than a gradient. "nearest" or
+      "stochastic": it is `accum_dtype` itself, also narrower (a 2-byte accumulator:
+      ``accum_dtype=jnp.bfloat16``). "nearest": each addition in `accum_dtype`, rounded to
+      nearest (what bfloat16 gradients summed in bfloat16 do; its error grows with the
+      window). "stochastic" (bfloat16 only): each addition in float32, rounded to bfloat16 up
+      or down at random, unbiased; keyed per micro-step from the state's step counters, so
+      reproducible and resumable bit for bit. See the fast-path guide for what each costs.
 
   A private inner optimizer (one holding ``privacy.dp_noise``'s state) is held to the
   privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,
@@ -1021,5 +1057,7 @@ def accumulate(
   """
   _refuse_multisteps(every_k, multisteps)
   return transformation(
-    make_config(inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale)
+    make_config(
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale, rounding
+    )
   )

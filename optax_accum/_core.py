@@ -29,7 +29,9 @@ def _is_float(x) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def accum_dtype_for(x: Any, accum_dtype: DType | None, *, mean: bool = False) -> Any:
+def accum_dtype_for(
+  x: Any, accum_dtype: DType | None, *, mean: bool = False, exact: bool = False
+) -> Any:
   """The dtype in which leaf `x` is accumulated.
 
   Floating and complex leaves: their own dtype when `accum_dtype` is None, else
@@ -39,11 +41,17 @@ def accum_dtype_for(x: Any, accum_dtype: DType | None, *, mean: bool = False) ->
   "number of correct predictions") are summed exactly in their own dtype widened to int32,
   except when they are averaged (`mean`): a weighted mean of counts is accumulated as a float
   (float32, or `accum_dtype`'s precision), so fractional weights are not truncated.
+
+  `exact` (an explicit `rounding`, see `check_rounding`): a real floating leaf accumulates in
+  `accum_dtype` itself, narrower than the leaf if asked (a bfloat16 accumulator of float32
+  gradients), each addition rounded as `rounding` says.
   """
   dtype = jnp.result_type(x)
   if jnp.issubdtype(dtype, jnp.inexact):
     if accum_dtype is None:
       return dtype
+    if exact and jnp.issubdtype(dtype, jnp.floating):
+      return jnp.dtype(accum_dtype)
     promoted = jnp.promote_types(accum_dtype, dtype)
     if not jnp.issubdtype(dtype, jnp.complexfloating):
       promoted = jnp.finfo(promoted).dtype  # a real leaf: the real dtype of that precision
@@ -53,15 +61,82 @@ def accum_dtype_for(x: Any, accum_dtype: DType | None, *, mean: bool = False) ->
   return jnp.promote_types(dtype, jnp.int32)
 
 
-def zeros(tree: Any, accum_dtype: DType | None, *, mean: bool = False) -> Any:
+def zeros(tree: Any, accum_dtype: DType | None, *, mean: bool = False, exact: bool = False) -> Any:
   """A zero accumulator with `tree`'s structure and shapes, in the accumulator dtype.
 
   `tree` may hold arrays, Python numbers or `jax.ShapeDtypeStruct`s; `None` leaves and empty
-  subtrees stay as they are (they carry no gradient). `mean`: see `accum_dtype_for`.
+  subtrees stay as they are (they carry no gradient). `mean`, `exact`: see `accum_dtype_for`.
   """
   return jax.tree.map(
-    lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(x, accum_dtype, mean=mean)), tree
+    lambda x: jnp.zeros(jnp.shape(x), accum_dtype_for(x, accum_dtype, mean=mean, exact=exact)),
+    tree,
   )
+
+
+ROUNDINGS = (None, "nearest", "stochastic")
+# The fixed seed of stochastic rounding's keys: each micro-step's key is this seed folded with
+# the state's (gradient_step, mini_step), so a run is reproducible and a restored state resumes
+# bit for bit, with no random state kept.
+ROUNDING_SEED = 0x5EED_ACC
+
+
+def check_rounding(rounding: Any, accum_dtype: Any) -> str | None:
+  """`rounding` checked against the (canonical) `accum_dtype`: None (the accumulator is never
+  narrower than a gradient), "nearest" or "stochastic" (the accumulator is `accum_dtype`
+  itself, each addition rounded to nearest or stochastically; "stochastic" is for bfloat16)."""
+  if rounding not in ROUNDINGS:
+    raise ValueError(f"rounding must be None, 'nearest' or 'stochastic', got {rounding!r}.")
+  if rounding is None:
+    return None
+  if accum_dtype is None or not jnp.issubdtype(accum_dtype, jnp.floating):
+    raise ValueError(
+      f"rounding={rounding!r} accumulates in accum_dtype itself, which must then be a real "
+      f"floating dtype, got accum_dtype={accum_dtype}. E.g. accum_dtype=jnp.bfloat16, "
+      "rounding='stochastic' for a 2-byte accumulator."
+    )
+  if rounding == "stochastic" and jnp.dtype(accum_dtype) != jnp.bfloat16:
+    raise ValueError(
+      "rounding='stochastic' rounds a float32 sum to bfloat16 (the upper half of its bits), "
+      f"so it needs accum_dtype=jnp.bfloat16, got accum_dtype={jnp.dtype(accum_dtype).name}. "
+      "Use rounding='nearest' (or None) for other dtypes."
+    )
+  return rounding
+
+
+def check_skip_window(skip_nonfinite: Any, noise_scale: bool) -> bool:
+  """Whether `skip_nonfinite` is "window" (checked: a bool or "window"; "window" refuses the
+  noise statistics, whose per-micro-batch squared norm is a second read of each gradient)."""
+  if not isinstance(skip_nonfinite, str):
+    return False
+  if skip_nonfinite != "window":
+    raise ValueError(f"skip_nonfinite must be a bool or 'window', got {skip_nonfinite!r}.")
+  if noise_scale:
+    raise ValueError(
+      "skip_nonfinite='window' reads each gradient once (the add into the accumulator), but "
+      "noise_scale=True (or FollowNoiseScale) reads every micro-batch's |g|^2 as well. Use "
+      "skip_nonfinite=True with the noise statistics (their squared norm is then also the "
+      "finite check), or noise_scale=False."
+    )
+  return True
+
+
+def rounding_key(gradient_step: jax.Array, mini_step: jax.Array) -> jax.Array:
+  """The stochastic-rounding key of one micro-step: `ROUNDING_SEED` folded with the state's
+  position, so that the same state always draws the same bits."""
+  key = jax.random.fold_in(jax.random.key(ROUNDING_SEED), gradient_step)
+  return jax.random.fold_in(key, mini_step)
+
+
+def stochastic_round(y: jax.Array, key: jax.Array) -> jax.Array:
+  """float32 `y` rounded to bfloat16, up or down with probabilities that make it unbiased
+  (``E[round(y)] = y`` for every finite `y` that does not round to ±Inf): a uniform 16-bit
+  integer is added to the low half of `y`'s bits, which are then dropped. The sign is a bit
+  of its own, so the magnitude is what is rounded, and the expectation holds for both signs.
+  NaN and ±Inf stay as they are."""
+  bits = lax.bitcast_convert_type(y.astype(jnp.float32), jnp.uint32)
+  noise = jax.random.bits(key, y.shape, jnp.uint16).astype(jnp.uint32)
+  rounded = lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
+  return jnp.where(jnp.isfinite(y), rounded, y).astype(jnp.bfloat16)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -134,6 +209,7 @@ def add(
   finite: jax.Array | None = None,
   agree: Any = None,
   check: Any = None,
+  key: jax.Array | None = None,
 ) -> tuple[Any, jax.Array, jax.Array]:
   """Adds one micro-batch: ``sums + w * tree`` and ``total + w``.
 
@@ -156,6 +232,9 @@ def add(
       the weight one value across the model axes (`_collectives.Axis.agree`).
     check: the values whose NaN/Inf drops the micro-batch (`skip_nonfinite`); None: `tree`.
       `finite`, when given, is about these values.
+    key: stochastic rounding (`rounding_key`): each bfloat16 leaf of `sums` takes
+      ``sums + w * x`` computed in float32, then `stochastic_round`-ed with the key folded
+      with the leaf's index. None: every addition in the accumulator dtype, rounded to nearest.
 
   Returns:
     ``(sums, total, dropped)`` where `dropped` is a bool scalar, True iff the micro-batch was
@@ -167,17 +246,25 @@ def add(
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
 
-  def add_leaf(s, x):
+  def add_leaf(i, s, x):
     if restart is not None:
       s = jnp.where(restart, jnp.zeros_like(s), s)
-    x = jnp.asarray(x).astype(s.dtype)
+    stochastic = key is not None and s.dtype == jnp.bfloat16
+    dtype = jnp.float32 if stochastic else s.dtype
+    x = jnp.asarray(x).astype(dtype)
     if weight is not None:
-      x = x * w.astype(s.dtype)
+      x = x * w.astype(dtype)
     if masked:
       x = jnp.where(keep, x, jnp.zeros_like(x))
+    if stochastic:  # the sum in float32, then rounded once (a kept-out x adds exact zeros)
+      return stochastic_round(s.astype(dtype) + x, jax.random.fold_in(key, i))
     return s + x
 
-  sums = jax.tree.map(add_leaf, sums, tree)
+  leaves, tree_def = jax.tree.flatten(sums)
+  xs = tree_def.flatten_up_to(tree)
+  sums = tree_def.unflatten(
+    [add_leaf(i, s, x) for i, (s, x) in enumerate(zip(leaves, xs, strict=True))]
+  )
   return sums, total + w, jnp.logical_not(keep)
 
 
@@ -246,6 +333,14 @@ def normalise(sums: Any, total: jax.Array, like: Any, reduction: Reduction) -> A
   dtypes of `like` (the micro-batch values), so callers never see the accumulator dtype. The
   mean of an integer leaf stays a float (float32): truncating it back would be silently wrong.
   """
+
+  def widen(s, x):  # a narrower accumulator (explicit `rounding`): the mean in x's precision
+    dtype = jnp.result_type(x)
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.issubdtype(s.dtype, jnp.floating):
+      return s.astype(jnp.promote_types(s.dtype, dtype))
+    return s
+
+  sums = jax.tree.map(widen, sums, like)
   if reduction == "mean":
     safe = jnp.where(total > 0, total, jnp.ones_like(total))
 

@@ -65,6 +65,65 @@ def _signature(args: tuple, weight: Any) -> tuple:
   )
 
 
+def _on_mesh(params: Any) -> Any:
+  """The mesh of the first parameter placed with a `NamedSharding`, or None."""
+  for p in jax.tree.leaves(params):
+    sharding = getattr(p, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      return sharding.mesh
+  return None
+
+
+def _placed(x: Any) -> Any:
+  """An array's sharding, if it is a concrete placement (not an abstract one), else None."""
+  sharding = getattr(x, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
+
+
+def _unlike(compiled: Any, operands: tuple) -> bool:
+  """Whether `operands` differ from the inputs `compiled` was compiled for: their tree, a
+  leaf's shape, dtype or weak type, or a device array's placement."""
+  avals, _ = compiled.in_avals
+  shardings, _ = compiled.input_shardings
+  leaves, tree = jax.tree.flatten(tuple(operands))
+  if tree != jax.tree.structure(avals) or len(leaves) != len(jax.tree.leaves(shardings)):
+    return True
+  for x, want, placed in zip(
+    leaves, jax.tree.leaves(avals), jax.tree.leaves(shardings), strict=True
+  ):
+    got = jax.typeof(x)
+    if (got.shape, got.dtype, got.weak_type) != (want.shape, want.dtype, want.weak_type):
+      return True
+    sharding = x.sharding if isinstance(x, jax.Array) else None
+    if sharding is not None and not sharding.is_equivalent_to(placed, len(want.shape)):
+      return True
+  return False
+
+
+def _check_live(params: Any, state: Any) -> None:
+  """Raises if an array of the parameters or the state was deleted: donated to an earlier
+  call (a compiled program handed a deleted buffer can crash the process, not raise)."""
+  concrete: dict[type, bool] = {}  # per leaf type, once (an ABC isinstance is slow per leaf)
+
+  def deleted(x: Any) -> bool:
+    t = type(x)
+    if t not in concrete:
+      concrete[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+    return concrete[t] and x.is_deleted()
+
+  for name, tree in (("params", params), ("state", state)):
+    if not any(map(deleted, jax.tree.leaves(tree))):  # the per-call cost: no tree paths
+      continue
+    for path, x in jax.tree.leaves_with_path(tree):
+      if deleted(x):
+        raise ValueError(
+          f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
+          "to an earlier call (TrainStep donates the parameters and the state, donate=True) "
+          "or deleted. Pass the parameters and the state that the last call returned, or "
+          "build TrainStep with donate=False to keep your arrays."
+        )
+
+
 def _in_trainstep_words(error: Exception) -> Exception:
   """A check shared with `accumulate` (`_accumulate.check_update`), said as TrainStep's: its
   name, and the one way it makes a state."""
@@ -104,7 +163,9 @@ class TrainStep:
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
       raises rather than being narrowed.
-    skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients.
+    skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients;
+      "window": check each window's sums once, at emission, so that the accumulating program
+      reads each gradient once (use it with ``grad_buffer=False``, a second reader on CPU).
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
       default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap
@@ -127,6 +188,9 @@ class TrainStep:
     mesh: the mesh whose `axis_name` to bind; default the one in effect.
     noise_scale: as for `accumulate`: keep the gradient noise-scale statistics in the state
       (read them with `optax_accum.noise_scale(state)`); implied by `FollowNoiseScale`.
+    rounding: as for `accumulate`: None, or "nearest"/"stochastic" for an accumulator in
+      `accum_dtype` itself (``accum_dtype=jnp.bfloat16, rounding="stochastic"``: 2 bytes per
+      parameter, unbiased).
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
@@ -173,6 +237,7 @@ class TrainStep:
     axis_name: AxisName | None = None,
     mesh: Any = None,
     noise_scale: bool = False,
+    rounding: str | None = None,
   ):
     if callable(every_k):
       raise TypeError(
@@ -184,7 +249,7 @@ class TrainStep:
     if weight_fn is not None and not callable(weight_fn):
       raise TypeError(f"TrainStep: weight_fn must be callable or None, got {weight_fn!r}.")
     self._cfg = _accumulate.make_config(
-      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale
+      inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale, rounding
     )
     self._cfg = self._cfg._replace(front="TrainStep", weighted=weight_fn is not None)
     # A clipped loss (privacy.clipped_loss) is a private path: its options are checked against
@@ -212,9 +277,9 @@ class TrainStep:
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
-    # With axis_name: whether the programs' output shardings are set (`_pin`); nothing to set
-    # without one.
-    self._pinned = not axis.stacks
+    # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
+    # for parameters placed on a mesh (the accumulator sharded like them).
+    self._pinned = False
     self._position: int | None = None  # micro-steps taken in the open window
     # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
     self._window_k = getattr(every_k, "min_k", every_k)
@@ -251,8 +316,19 @@ class TrainStep:
   def _pin(self, params: Any) -> None:
     """Pins the programs' output shardings to the parameters' own and the state's: the
     closing program updates replicated (gathered) parameters on every device, and FSDP
-    parameters and their optimizer state must leave it sharded as they came in."""
-    if self._pinned or not self._binds_here():
+    parameters and their optimizer state must leave it sharded as they came in. Without
+    `axis_name`, for parameters placed on a mesh (`_on_mesh`): the accumulator and the inner
+    state sharded like the parameters (GSPMD reduces every micro-step into it)."""
+    if self._pinned:
+      return
+    if not self._cfg.axis.stacks:
+      self._pinned = True
+      specs = self._mesh_state_shardings(params)
+      if specs is not None:
+        shardings, state = specs
+        self._programs = self._jit(out_shardings=(shardings, state, None, None))
+      return
+    if not self._binds_here():
       return
     _, specs = self._state_shardings(params)
     shardings = self._shardings(_batch.hide_static(params))
@@ -264,6 +340,15 @@ class TrainStep:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
+    if not self._cfg.axis.stacks:
+      self._pin(params)
+      specs = self._mesh_state_shardings(params)
+      params = _batch.none_for_static(_batch.hide_static(params))  # arrays only, as eqx.filter
+      if specs is None:
+        return self.tx.init(params)
+      # Made on the mesh, each leaf where the programs keep it: the accumulator and the inner
+      # state sharded like the parameters from the start (never a replicated copy per device).
+      return jax.jit(self.tx.init, out_shardings=specs[1])(params)
     params = _batch.none_for_static(_batch.hide_static(params))  # arrays only, as eqx.filter
     if not self._binds_here():
       return self.tx.init(params)
@@ -271,6 +356,24 @@ class TrainStep:
     _, specs = self._state_shardings(params)
     init = self._bind(self.tx.init)
     return jax.jit(init, out_shardings=specs)(params)
+
+  def _mesh_state_shardings(self, params: Any) -> tuple[Any, Any] | None:
+    """Without `axis_name`: the parameters' shardings and the state's
+    (`state_partition_specs`: tree-shaped leaves like their parameter, the rest replicated)
+    when some parameter is placed on a mesh (a `NamedSharding`); else None (one device: the
+    default placement is right)."""
+    hidden = _batch.hide_static(params)
+    mesh = _on_mesh(hidden)
+    if mesh is None:
+      return None
+    shardings = jax.tree.map(
+      lambda p: p.sharding if isinstance(getattr(p, "sharding", None), NamedSharding)
+      else NamedSharding(mesh, P()),
+      hidden,
+    )  # fmt: skip
+    params = _batch.none_for_static(hidden)
+    specs = state_partition_specs(self.tx, _batch.none_for_static(shardings), None, params=params)
+    return shardings, specs
 
   def _bind(self, fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """`fun` with the axis bound under plain jit; the state is per device (`_sharding`)."""
@@ -380,14 +483,19 @@ class TrainStep:
     """The gradient buffer, made on first use with the gradients' shapes and dtypes, placed
     like the parameters (a gradient has its parameter's sharding)."""
     if self._grad_buffer is None:
-      types = jax.eval_shape(self._grads_of, params, args)
-      params = _accumulate._gradient_like(_batch.none_for_static(params))
       self._grad_buffer = jax.tree.map(
-        lambda t, p: jnp.zeros(t.shape, t.dtype, device=getattr(p, "sharding", None)),
-        types,
-        params,
+        lambda t: jnp.zeros(t.shape, t.dtype, device=t.sharding), self._buffer_types(params, args)
       )
     return self._grad_buffer
+
+  def _buffer_types(self, params: Any, args: tuple) -> Any:
+    """The gradient buffer's `jax.ShapeDtypeStruct`s, placed like the parameters (what
+    `compile` and `lower` compile for, so that the buffer `_buffer` makes fits them)."""
+    types = jax.eval_shape(self._grads_of, params, args)
+    params = _accumulate._gradient_like(_batch.none_for_static(params))
+    return jax.tree.map(
+      lambda t, p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=_placed(p)), types, params
+    )
 
   def __call__(
     self,
@@ -408,6 +516,7 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
+    _check_live(params, state)
     if self._position is None or state is not self._last_state:
       self._read_position(params, state, args)
     emit = force_emit or self._position + 1 >= self._window_k
@@ -461,15 +570,20 @@ class TrainStep:
     return params, state, grad_buffer, value
 
   def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
-    """One program (`_jit`'s key), compiled for `key`, else through `jax.jit`."""
-    compiled = self._compiled[key]
-    if compiled is not None:
-      try:
-        return compiled[program](*operands)
-      except (TypeError, ValueError):
-        # The compiled programs check their inputs before running (nothing donated yet): other
-        # parameter or state types, or placements. `jax.jit` handles them from now on.
-        self._compiled[key] = None
+    """One program (`_jit`'s key), compiled for `key`; inputs unlike those it was compiled
+    for (other parameter or state types, or placements: `_unlike` compares them) run through
+    `jax.jit`, this call only: the compiled pair stays for the inputs it was made for, so
+    nothing is recompiled unless the inputs really changed. Any other refusal is raised."""
+    compiled = self._compiled[key][program]
+    try:
+      return compiled(*operands)
+    except (TypeError, ValueError) as e:
+      # The compiled programs check their inputs before running (nothing donated yet).
+      if not _unlike(compiled, operands):
+        raise type(e)(
+          "TrainStep: the compiled program refused inputs of the types and placements it was "
+          f"compiled for: {e}"
+        ) from e
     return self._programs[program](*operands)
 
   def _compile_both(self, params, state, grad_buffer, args, weight) -> dict[bool, Any]:
@@ -509,7 +623,7 @@ class TrainStep:
     params = _batch.hide_static(params)
     buffer = self._grad_buffer
     if buffer is None:
-      buffer = jax.eval_shape(self._grads_of, params, args)
+      buffer = self._buffer_types(params, args)
     self._compiled[_signature(args, weight)] = self._compile_both(
       params, state, buffer, args, weight
     )
@@ -524,7 +638,7 @@ class TrainStep:
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
-      grad_buffer = jax.eval_shape(self._grads_of, params, args)
+      grad_buffer = self._buffer_types(params, args)
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):

@@ -37,3 +37,8 @@ def test_gpu_script_dry_run_writes_every_section():
                                                "TrainStep.compile"}  # fmt: skip
   assert "TrainStep.compile" in (out / "compile.md").read_text()
   assert "tokens/s" in (out / "lm" / "results.md").read_text()
+  accel = json.loads((out / "accel.json").read_text())  # issue 33's rows
+  assert {r["contender"] for r in accel["fusion"]} == {r["contender"] for r in accel["microstep"]
+                                                        if "accumulator_bytes" in r}  # fmt: skip
+  assert any("device conditional" in r["contender"] for r in accel["microstep"])
+  assert "beta = 1" in (out / "accel.md").read_text()

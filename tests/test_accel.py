@@ -1,0 +1,309 @@
+"""The accelerator-shaped micro-step (issue 33): FSDP accumulators sharded like the parameters in
+`TrainStep` without `axis_name`, and `TrainStep` recompiling only when its inputs really change.
+
+Placement is read from the arrays (`.sharding`, each device's shard) and from XLA's memory
+analysis of the compiled accumulating program; results are compared with the large batch
+(`_reference.run_steps`: a direct gradient of the whole window, then a plain optax step). The 8
+devices are conftest's host CPU devices.
+"""
+
+from __future__ import annotations
+
+import re
+
+import _reference as ref
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+from optax_accum._hlo import computations
+
+D = 8
+SIZES = (4, 16, 8)  # every weight matrix's dimensions divide by 8 (and by 4 x 2)
+# Adam's first steps are ~lr * g / |g|: GSPMD's partial sums add a gradient's rows in another
+# order than the large batch's single device, which moves an update by ~1e-5 relative where an
+# entry of g is tiny.
+ADAM_TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+def _fsdp(mesh: jax.sharding.Mesh, params: dict) -> dict:
+  """Each parameter's spec, split 8 ways: 1-D FSDP over "data" (the last dimension), or on a
+  4 x 2 mesh the matrices over ("data", "model") and the biases over both axes at once."""
+  if len(mesh.axis_names) == 1:
+    return {n: P(*([None] * (x.ndim - 1)), "data") for n, x in params.items()}
+  return {n: P("data", "model") if x.ndim == 2 else P(("data", "model")) for n, x in params.items()}
+
+
+LAYOUTS = {
+  "auto_1d": ((D,), ("data",), AxisType.Auto),
+  "explicit_1d": ((D,), ("data",), AxisType.Explicit),
+  "auto_2d": ((4, 2), ("data", "model"), AxisType.Auto),
+}
+
+
+def _shard_bytes(x: jax.Array) -> int:
+  return x.addressable_shards[0].data.nbytes
+
+
+def _batches(n: int) -> list:
+  return [ref.regression_data(70 + i, 16, d_in=SIZES[0], d_out=SIZES[-1]) for i in range(n)]
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_train_step_fsdp_accumulator_sharded_like_the_parameters_from_init(layout):
+  shape, names, axis_type = LAYOUTS[layout]
+  mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+  params = ref.mlp_params(0, SIZES)
+  specs = _fsdp(mesh, params)
+  micro = _batches(4)
+  with jax.set_mesh(mesh):
+    sharded = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in params.items()}
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 2)
+    state = step.init(sharded)
+    for when in ("init", "after"):
+      for n, acc in state.acc_grads.items():
+        assert acc.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), acc.ndim), (when, n)
+        assert _shard_bytes(acc) * D == acc.nbytes, (when, n)  # 1/8 per device
+        mu = state.inner_state[0].mu[n]
+        assert mu.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), mu.ndim), (when, n)
+      if when == "init":
+        # The compiled accumulating program takes each operand's shard only: its arguments
+        # are the sum of the shards (with a replicated accumulator, + 7/8 of it per device).
+        compiled = step.lower(sharded, state, micro[0]).compile()
+        args = (sharded, state, step._buffer(sharded, (micro[0],)))
+        shards = sum(_shard_bytes(x) for x in jax.tree.leaves(args))
+        # the batch (host arrays) as the compiler placed it
+        placed = zip(
+          micro[0].values(), jax.tree.leaves(compiled.input_shardings[0][3]), strict=True
+        )
+        batch = sum(np.prod(s.shard_shape(x.shape)) * x.itemsize for x, s in placed)
+        assert compiled.memory_analysis().argument_size_in_bytes == shards + batch
+        for x in micro:
+          sharded, state, _ = step(sharded, state, x)
+    assert len(step._compiled) == 1
+  assert int(state.gradient_step) == 2
+  want, _ = ref.run_steps(ref.ADAM, params, ref.mlp_loss, ref.windows(micro, 2))
+  chex.assert_trees_all_close(jax.device_get(sharded), want, **ADAM_TOL)
+  for n, x in sharded.items():
+    assert x.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), x.ndim), n
+
+
+def _compiles(caplog: pytest.LogCaptureFixture) -> int:
+  """How many XLA compilations `jax.log_compiles` has logged of TrainStep's programs."""
+  said = [r.getMessage() for r in caplog.records]
+  return sum(m.startswith(("Compiling jit(_step)", "Compiling jit(_close)")) for m in said)
+
+
+def test_train_step_recompiles_only_when_the_inputs_really_changed(caplog):
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  params = ref.mlp_params(0, SIZES)
+  specs = _fsdp(mesh, params)
+  micro = _batches(6)
+  with jax.set_mesh(mesh):
+    sharded = {n: jax.device_put(x, NamedSharding(mesh, specs[n])) for n, x in params.items()}
+    step = optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, donate=False)
+    state = step.init(sharded)
+    caplog.set_level("WARNING")
+    with jax.log_compiles(True):
+      for x in micro[:4]:  # FSDP: the state from init is placed as every program leaves it
+        sharded, state, _ = step(sharded, state, x)
+      assert _compiles(caplog) == 2 and len(step._compiled) == 1  # the pair, once
+      # Really other inputs (the parameters replicated): through jax.jit, this call only ...
+      replicated = jax.device_put(sharded, NamedSharding(mesh, P()))
+      step(replicated, state, micro[4])
+      assert _compiles(caplog) == 3
+      # ... while the compiled pair stays for the inputs it was made for: no new compile.
+      for x in micro[4:]:
+        sharded, state, _ = step(sharded, state, x)
+    assert _compiles(caplog) == 3 and int(state.gradient_step) == 3
+    assert all(v is not None for v in step._compiled.values())
+  # Donated arrays passed again: a clear error naming the argument, before any program runs
+  # (handed a deleted buffer, a compiled program can crash the process).
+  donating = optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2)
+  p = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  s = donating.init(p)
+  new_p, new_s, _ = donating(p, s, micro[0])
+  with pytest.raises(ValueError, match=r"TrainStep: params\['b0'\] is a deleted array: it was"):
+    donating(p, new_s, micro[1])
+  with pytest.raises(ValueError, match=r"TrainStep: state\.mini_step is a deleted array"):
+    donating(new_p, s, micro[1])
+  assert jnp.isfinite(donating(new_p, new_s, micro[1])[2])
+
+
+# ----------------------------------------------------------------------------------------------
+# A 2-byte accumulator: accum_dtype=jnp.bfloat16, rounding="stochastic".
+
+BF16_SR = dict(accum_dtype=jnp.bfloat16, rounding="stochastic")
+
+
+def _window_sums(rounding, k=16, windows=8, n=4096):
+  """Each window's sum in a bfloat16 accumulator (`rounding`), against float64: a first
+  micro-batch of ~1, then k-1 of ~2⁻¹⁰, each below half a bfloat16 ulp of the sum (2⁻⁸), the
+  case where rounding to nearest loses every addition."""
+  rng = np.random.default_rng(5)
+  tx = optax_accum.accumulate(optax.sgd(-1.0), k, reduction="sum", accum_dtype=jnp.bfloat16,
+                              rounding=rounding)  # fmt: skip
+  update = jax.jit(tx.update)
+  params = jnp.zeros(n)
+  state = tx.init(params)
+  errors = []
+  for _ in range(windows):
+    grads = rng.uniform(1.0, 1.5, (k, n)).astype(np.float32)
+    grads[1:] *= np.float32(2**-10)
+    for g in grads:
+      sums, state = update(jnp.asarray(g), state, params)
+    errors.append(np.asarray(sums, np.float64) - grads.astype(np.float64).sum(0))
+  return np.concatenate(errors)
+
+
+def test_bf16_stochastic_rounding_accumulator_is_unbiased_against_float64():
+  errors = _window_sums("stochastic")  # 8 windows x 4096 entries, independent draws
+  se = errors.std() / np.sqrt(errors.size)
+  tol = 3e-4  # ~3.6 SE here (SE 8.3e-5); rounding to nearest is 50x further off
+  assert 3 * se < tol, se
+  assert abs(errors.mean()) < tol, (errors.mean(), se)
+  # the control: round to nearest drops each small addition, a bias of -15 * 2⁻¹⁰ * 1.25
+  nearest = _window_sums("nearest")
+  assert nearest.mean() < -50 * tol, nearest.mean()
+
+
+def test_bf16_stochastic_rounding_accumulator_takes_2_bytes_per_parameter():
+  params = ref.mlp_params(0, SIZES)
+  n = sum(x.size for x in jax.tree.leaves(params))
+  x = _batches(1)[0]
+  arguments = {}
+  for name, kw in (("f32", {}), ("bf16", BF16_SR)):
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, **kw)
+    state = step.init(params)
+    assert {a.dtype for a in jax.tree.leaves(state.acc_grads)} == {
+      jnp.dtype(jnp.bfloat16 if kw else jnp.float32)
+    }
+    arguments[name] = step.lower(params, state, x).compile().memory_analysis()
+  f32, bf16 = arguments["f32"], arguments["bf16"]
+  # everything else (parameters, Adam's moments, the gradient buffer, the batch) is the same
+  assert f32.argument_size_in_bytes - bf16.argument_size_in_bytes == 2 * n
+  assert f32.output_size_in_bytes - bf16.output_size_in_bytes == 2 * n
+
+
+def test_bf16_stochastic_rounding_resumes_mid_window_bit_for_bit():
+  micro = _batches(10)
+  make = lambda: optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, **BF16_SR)  # noqa: E731
+  straight = make()
+  params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  state = straight.init(params)
+  for x in micro:
+    params, state, _ = straight(params, state, x)
+  first = make()
+  p = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  s = first.init(p)
+  for x in micro[:6]:  # stopped mid-window (2 of 4 micro-steps), saved to the host
+    p, s, _ = first(p, s, x)
+  p, s = jax.device_get((p, s))
+  resumed = make()  # a new process's TrainStep, on the restored arrays
+  p, s = jax.tree.map(jnp.asarray, (p, s))
+  for x in micro[6:]:
+    p, s, _ = resumed(p, s, x)
+  chex.assert_trees_all_equal((p, s), (params, state))
+  assert int(state.gradient_step) == 2 and int(state.mini_step) == 2
+
+
+@pytest.mark.parametrize(
+  ("kw", "said"),
+  [
+    (dict(rounding="up"), "rounding must be None, 'nearest' or 'stochastic', got 'up'"),
+    (dict(rounding="stochastic"), "needs accum_dtype=jnp.bfloat16, got accum_dtype=float32"),
+    (dict(rounding="nearest", accum_dtype=None), "must then be a real floating dtype"),
+  ],
+)
+def test_rounding_bad_arguments(kw, said):
+  with pytest.raises(ValueError, match=said):
+    optax_accum.accumulate(optax.sgd(0.1), 2, **kw)
+  with pytest.raises(ValueError, match=said):
+    optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, **kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# The one-read accumulating program: skip_nonfinite="window".
+
+
+def _users(instructions: list, name: str) -> list:
+  """The instructions that take `name` as an operand."""
+  token = re.compile(rf"%{re.escape(name)}[,)\s]")
+  return [i for i in instructions if token.search(i.rest)]
+
+
+def test_window_check_accumulating_program_reads_each_gradient_once():
+  params = ref.mlp_params(0, SIZES)
+  x = _batches(1)[0]
+  shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values() if p.ndim == 2}
+  users = {}
+  for skip in (True, "window"):
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, skip_nonfinite=skip, grad_buffer=False)
+    text = step.lower(params, step.init(params), x).compile().as_text()
+    comps, entry = computations(text)
+    body = comps[entry]
+    grads = [i for i in body if i.op == "dot" and i.shape.split("{")[0] in shapes]
+    assert len(grads) == 2, [(i.name, i.shape) for i in grads]  # the weight gradients
+    users[skip] = {g.name: _users(body, g.name) for g in grads}
+    if skip == "window":
+      acc = {i.name: re.match(r"(\d+)\)", i.rest).group(1)
+             for i in body if i.op == "parameter" and "acc_grads" in i.name}  # fmt: skip
+      for g, (user,) in users[skip].items():  # one user: the add into the accumulator
+        read = [a for a in acc if re.search(rf"%{re.escape(a)}[,)\s]", user.rest)]
+        assert len(read) == 1, (g, user)
+        index = acc[read[0]]  # ... which is donated: output aliased with its input
+        assert re.search(rf"\{{{index}\}}: \({index}, \{{\}}, may-alias\)", text), index
+  # the control: the per-micro-batch check reads a gradient twice (its dot, then the add)
+  assert any(len(u) == 2 for u in users[True].values()), users[True]
+
+
+def _run_window_mode(step, micro, nan_at=None):
+  params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  state = step.init(params)
+  for i, x in enumerate(micro):
+    if i == nan_at:
+      x = {**x, "x": x["x"].copy()}
+      x["x"][0, 0] = np.nan
+    params, state, _ = step(params, state, x)
+  return params, state
+
+
+def test_window_check_equals_the_per_micro_batch_check_and_drops_whole_windows():
+  micro = _batches(8)
+  make = lambda skip: optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, skip_nonfinite=skip)  # noqa: E731
+  want, _ = _run_window_mode(make(True), micro)
+  got, state = _run_window_mode(make("window"), micro)
+  chex.assert_trees_all_equal(got, want)  # finite data: bit for bit
+  assert int(state.num_skipped) == 0
+  # A NaN in the second window: the whole window is dropped and its 4 micro-batches counted;
+  # the result is the first window's update alone, and the third window goes on from it.
+  got, state = _run_window_mode(make("window"), micro, nan_at=5)
+  first, _ = _run_window_mode(make(True), micro[:4])
+  chex.assert_trees_all_equal(got, first)
+  assert (int(state.num_skipped), int(state.gradient_step)) == (4, 1)
+  # The protocol path (emission decided on the device) does the same.
+  tx = optax_accum.accumulate(ref.ADAM, 4, skip_nonfinite="window")
+  params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+  opt = tx.init(params)
+  update = jax.jit(tx.update)
+  for i, x in enumerate(micro):
+    grads = jax.grad(ref.mlp_loss)(params, x)
+    if i == 5:
+      grads = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+    updates, opt = update(grads, opt, params)
+    params = optax.apply_updates(params, updates)
+  chex.assert_trees_all_close(params, first, rtol=1e-6, atol=1e-7)
+  assert (int(opt.num_skipped), int(opt.gradient_step)) == (4, 1)
+
+
+def test_window_check_refuses_the_noise_statistics():
+  with pytest.raises(ValueError, match="skip_nonfinite='window' reads each gradient once"):
+    optax_accum.accumulate(optax.sgd(0.1), 2, skip_nonfinite="window", noise_scale=True)
+  with pytest.raises(ValueError, match="skip_nonfinite must be a bool or 'window', got 'x'"):
+    optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, skip_nonfinite="x")
