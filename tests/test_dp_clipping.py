@@ -17,9 +17,9 @@ from optax_accum import _hlo
 N = 32
 
 
-def per_example_grads(params, batch):
+def per_example_grads(params, batch, loss=ref.mlp_loss):
   """Each example's gradient, one `jax.grad` call per example (leading axis kept, size 1)."""
-  grad = jax.jit(jax.grad(ref.mlp_loss))
+  grad = jax.jit(jax.grad(loss))
   out = []
   for i in range(len(batch["x"])):
     g = grad(params, jax.tree.map(lambda v, i=i: v[i : i + 1], batch))
@@ -27,9 +27,9 @@ def per_example_grads(params, batch):
   return out
 
 
-def reference_sum(params, batch, clip, mask=None):
+def reference_sum(params, batch, clip, mask=None, loss=ref.mlp_loss):
   """Σᵢ clip_C(gᵢ) over the real examples, float64."""
-  grads = per_example_grads(params, batch)
+  grads = per_example_grads(params, batch, loss)
   total = {k: np.zeros(v.shape) for k, v in grads[0].items()}
   for i, g in enumerate(grads):
     if mask is not None and not mask[i]:
@@ -41,8 +41,8 @@ def reference_sum(params, batch, clip, mask=None):
   return total
 
 
-def median_norm(params, batch):
-  grads = per_example_grads(params, batch)
+def median_norm(params, batch, loss=ref.mlp_loss):
+  grads = per_example_grads(params, batch, loss)
   return float(np.median([np.sqrt(sum(np.sum(v**2) for v in g.values())) for g in grads]))
 
 
@@ -184,3 +184,72 @@ def test_clipped_grad_planner_picks_microbatch_from_compiled_memory(problem):
   assert p4 < p2
   plan = oa.plan_microbatches(clipped, params, batch, memory_limit=(p2 + p4) // 2, reduction="sum")
   assert plan.num_microbatches == 4 and plan.peak_bytes[4] == p4
+
+
+# ----------------------------------------------------------------------------------------------
+# Exploding (and vanishing) gradients: any finite gradient is clipped to exactly C·g/‖g‖.
+
+
+def _linear_loss(p, x):
+  """The per-example gradient is the example itself: ∇_a = x[:, :3], ∇_b = x[:, 3:] as (2, 2)."""
+  return jnp.sum(x[:, :3] * p["a"]) + jnp.sum(x[:, 3:].reshape(-1, 2, 2) * p["b"])
+
+
+def _examples_of_norms(norms):
+  """One float32 example per norm: a fixed random direction (7 entries, mixed signs) times the
+  norm, computed in float64 and rounded once."""
+  rng = np.random.default_rng(3)
+  d = rng.standard_normal(7)
+  d /= np.linalg.norm(d)
+  return np.stack([d * n for n in norms]).astype(np.float32)
+
+
+# 1e-38 (its entries denormal) to 3e38 (near float32's largest), a decade apart.
+NORMS = [*(10.0**e for e in range(-38, 39)), 3e38]
+
+
+@pytest.mark.parametrize("clip", [1.0, 1e-30, 1e30])
+def test_clipped_grad_any_finite_norm_clips_exactly_against_float64(clip):
+  x = _examples_of_norms(NORMS)
+  params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  f = oa.privacy.clipped_grad(_linear_loss, clip, return_stats=True)
+  # Each example alone (a batch of one, vmapped): its own clipped contribution.
+  each, stats = jax.jit(jax.vmap(lambda xi: f(params, xi[None])))(x)
+  got = np.concatenate([np.asarray(each["a"]), np.asarray(each["b"]).reshape(-1, 4)], axis=1)
+  got = got.astype(np.float64)
+  x64 = x.astype(np.float64)
+  norms64 = np.linalg.norm(x64, axis=1)
+  want = x64 * np.minimum(1.0, clip / norms64)[:, None]
+  # float32 against float64: 2e-6 of each contribution's norm. XLA:CPU flushes denormals to
+  # zero, so an entry below float32's smallest normal (1.2e-38) may come out 0: atol = tiny.
+  tiny = np.finfo(np.float32).tiny
+  err = np.abs(got - want).max(axis=1)
+  bound = 2e-6 * np.linalg.norm(want, axis=1) + tiny
+  assert np.all(err <= bound), [
+    (n, e, b) for n, e, b in zip(NORMS, err, bound, strict=True) if e > b
+  ]
+  # The exploding ones (‖g‖² overflows float32 from 1.8e19) have norm C, not 0.
+  big = norms64 > max(clip, 1e19)
+  np.testing.assert_allclose(np.linalg.norm(got[big], axis=1), clip, rtol=2e-6)
+  # The reported norms: to float32 precision from 1e-9 (2^-30), or from C where C is smaller
+  # (below both, the plain sum of squares underflows, and the norm does not decide anything).
+  reported = np.asarray(stats.norms)[:, 0]
+  exact = norms64 >= min(clip, 2.0**-30)
+  np.testing.assert_allclose(reported[exact], norms64[exact], rtol=2e-6)
+  assert np.all(reported[~exact] < 2.0**-30)
+  # The whole batch at once: the float64 sum.
+  total = jax.jit(oa.privacy.clipped_grad(_linear_loss, clip))(params, x)
+  flat = np.concatenate([np.asarray(total["a"]), np.asarray(total["b"]).ravel()])
+  np.testing.assert_allclose(flat, want.sum(0), rtol=0, atol=4e-6 * np.abs(want.sum(0)).max())
+
+
+def test_clipped_grad_non_finite_entries_still_count_zero():
+  x = _examples_of_norms([1.0, 1e30, 1.0])
+  x[0, 2] = np.inf
+  x[2, 5] = np.nan
+  params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
+  total, stats = oa.privacy.clipped_grad(_linear_loss, 1.0, return_stats=True)(params, x)
+  flat = np.concatenate([np.asarray(total["a"]), np.asarray(total["b"]).ravel()])
+  want = x[1].astype(np.float64) / np.linalg.norm(x[1].astype(np.float64))
+  np.testing.assert_allclose(flat, want, rtol=2e-6, atol=1e-7)
+  assert float(stats.num_examples) == 3

@@ -445,3 +445,48 @@ def test_dp_noise_rides_on_the_one_all_reduce_per_update(problem):
     big = 4 * sum(v.size for v in jax.tree.leaves(params)) // 2
     counts[k] = {e: oa.count_collectives(t, "all-reduce", min_bytes=big) for e, t in texts.items()}
   assert counts[2] == counts[16] == {False: 0, True: 1}, counts
+
+
+# ----------------------------------------------------------------------------------------------
+# Every key implementation.
+
+IMPLS = ["threefry2x32", "rbg", "unsafe_rbg"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dp_noise_takes_every_key_implementation(impl):
+  # One update of a 20,000-coordinate zero gradient: 20,000 draws, whose std has a standard
+  # error of 1/√40,000 = 0.5%: 3 SE fit the 3% tolerance.
+  clip, batch = 2.0, 8.0
+  tx = oa.privacy.dp_noise(SIGMA, clip, batch, jax.random.key(next(_SEEDS), impl=impl))
+  zeros = jnp.zeros(20_000)
+  state = tx.init(zeros)
+  assert state.key.shape == jax.random.key_data(jax.random.key(0, impl=impl)).shape
+  update = jax.jit(tx.update)
+  first, state = update(zeros, state)
+  second, state = update(zeros, state)
+  std = SIGMA * clip / batch
+  for z in (first, second):
+    assert abs(float(jnp.std(z)) / std - 1) < 0.03
+    assert abs(float(jnp.mean(z))) < 3 * std / np.sqrt(z.size)
+  assert abs(np.corrcoef(first, second)[0, 1]) < 3 / np.sqrt(first.size)  # fresh per update
+  assert int(oa.privacy.dp_updates(state)) == 2
+  # Inside accumulate (the device conditional) and at σ = 0 (exact).
+  acc = oa.accumulate(
+    oa.privacy.dp_noise(0.0, clip, batch, jax.random.key(next(_SEEDS), impl=impl)),
+    2,
+    reduction="sum",
+  )
+  s = acc.init(zeros[:3])
+  for _ in range(2):
+    u, s = jax.jit(acc.update)(jnp.ones(3), s)
+  np.testing.assert_array_equal(u, np.full(3, 2 / batch, np.float32))
+
+
+def test_dp_noise_same_key_data_of_other_implementations_are_different_keys():
+  # rbg's key data is 4 words: never confused with a threefry key (2 words), held or not.
+  a = oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="rbg"))
+  b = oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="unsafe_rbg"))
+  with pytest.raises(ValueError, match=r"already given to another dp_noise"):
+    oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="rbg"))
+  del a, b

@@ -90,7 +90,7 @@ def test_poisson_sampler_refuses_to_truncate():
     ({"num_examples": 0}, r"num_examples must be a positive int, got 0"),
     ({"sampling_rate": 0.0}, r"sampling_rate must be in \(0, 1\], got 0.0"),
     ({"sampling_rate": 1.2}, r"sampling_rate must be in \(0, 1\], got 1.2"),
-    ({"microbatch_size": 2.0}, r"microbatch_size must be a positive int, got 2.0"),
+    ({"sampling_rate": float("nan")}, r"sampling_rate must be in \(0, 1\], got nan"),
     ({"seed": -1}, r"seed must be an int >= 0, got -1"),
     ({"max_microbatches": 0}, r"max_microbatches must be a positive int, got 0"),
     ({"split": "random"}, r"split must be one of \('strided', 'contiguous'\), got 'random'"),
@@ -101,6 +101,37 @@ def test_poisson_sampler_rejects_bad_arguments(kwargs, match):
   args = dict(num_examples=N, sampling_rate=Q, microbatch_size=B, seed=0) | kwargs
   with pytest.raises(ValueError, match=rf"PoissonSampler: {match}"):
     oa.privacy.PoissonSampler(**args)
+
+
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
+    ({"num_examples": 200.0}, r"num_examples must be a positive int, got 200.0 of type float"),
+    ({"num_examples": True}, r"num_examples must be a positive int, got True of type bool"),
+    (
+      {"sampling_rate": "0.1"},
+      r"sampling_rate must be a number in \(0, 1\], got '0.1' of type str",
+    ),
+    ({"sampling_rate": True}, r"sampling_rate must be a number .* got True of type bool"),
+    ({"sampling_rate": None}, r"sampling_rate must be a number .* got None of type NoneType"),
+    ({"microbatch_size": 2.0}, r"microbatch_size must be a positive int, got 2.0 of type float"),
+    ({"microbatch_size": "8"}, r"microbatch_size must be a positive int, got '8' of type str"),
+    ({"seed": 1.5}, r"seed must be an int >= 0, got 1.5 of type float"),
+    ({"seed": "0"}, r"seed must be an int >= 0, got '0' of type str"),
+    ({"max_microbatches": 2.0}, r"max_microbatches must be a positive int, got 2.0 of type float"),
+    ({"split": 1}, r"split must be one of \('strided', 'contiguous'\), got 1"),
+    ({"start": 0.0}, r"start must be an int >= 0, got 0.0 of type float"),
+  ],
+)
+def test_poisson_sampler_rejects_arguments_of_the_wrong_type(kwargs, match):
+  args = dict(num_examples=N, sampling_rate=Q, microbatch_size=B, seed=0) | kwargs
+  with pytest.raises(TypeError, match=rf"PoissonSampler: {match}"):
+    oa.privacy.PoissonSampler(**args)
+
+
+def test_poisson_sampler_takes_numpy_numbers():
+  s = oa.privacy.PoissonSampler(np.int64(N), np.float32(0.5), np.int32(B), seed=np.int64(2))
+  assert s.expected_batch_size == N * float(np.float32(0.5)) and s.batch(0).num_real > 0
 
 
 # ----------------------------------------------------------------------------------------------

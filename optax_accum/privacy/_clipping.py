@@ -21,7 +21,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from optax_accum import _batch, _collectives
 from optax_accum._typing import ArgNums
 
 NO_BATCH = (
@@ -37,7 +39,9 @@ class ClipStats(NamedTuple):
 
   num_examples: jax.Array  # shape=(), dtype=jnp.float32: real (unmasked) examples
   num_clipped: jax.Array  # shape=(), dtype=jnp.float32: real examples with ‖∇ℓᵢ‖ > C
-  norms: jax.Array  # shape=(B,), dtype=jnp.float32: ‖∇ℓᵢ‖ before clipping; 0 for padding
+  # shape=(B,), dtype=jnp.float32: ‖∇ℓᵢ‖ before clipping (to float32 precision from
+  # min(C, 2^-30) ≈ 1e-9 up; inf past float32's largest); 0 for padding
+  norms: jax.Array
 
 
 STATS_REDUCTION = ClipStats("sum", "sum", "concat")
@@ -109,44 +113,209 @@ def _real(mask: Any, size: int) -> jax.Array:
   return mask != 0
 
 
-def _one_example(loss, nums, l2_clip):
-  """``(value, clipped gradient, norm)`` of one example (its batch axis kept, of size 1)."""
+# The per-example norm without overflow or underflow. The plain sum of squares (one pass, as
+# fast as before) is used where it is a normal float. Where it overflows (‖g‖ ≥ 2^64 ≈ 1.8e19)
+# the squares are summed again scaled down by _HI, and where it is tiny (‖g‖ < 2^-30) scaled up
+# by _LO (powers of two: exact scalings) — but only when C is that small too, since a gradient
+# below C is not clipped and its norm's precision does not matter. That second pass runs under
+# a `lax.cond`, only for a batch that holds such an example. So every finite gradient's norm
+# is known to float32 precision as ``r / f`` (``r = ‖g‖·f``, ``f`` the scale used), and its
+# clipped value is computed as ``((g·f)·(1/r))·C``, the unit vector g/‖g‖ times C: each factor
+# and product in range even where ‖g‖ itself, or C/‖g‖, is not a normal float32.
+_HI = 2.0**-80
+_LO = 2.0**64
+_TINY = 2.0**-60  # a plain sum of squares below this is imprecise (‖g‖ < 2^-30)
 
-  def one(params, real, *args):
-    args = [jax.tree.map(lambda x: x[None], a) if n + 1 in nums else a for n, a in enumerate(args)]
-    value, grads = jax.value_and_grad(loss)(params, *args)
-    leaves = jax.tree.leaves(grads)
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(jnp.abs(g).astype(jnp.float32))) for g in leaves))
-    # A non-finite gradient would carry an unbounded (NaN) contribution: it counts as 0.
-    keep = real & jnp.isfinite(norm)
-    scale = jnp.where(keep, jnp.minimum(1.0, l2_clip / jnp.maximum(norm, 1e-30)), 0.0)
-    clipped = jax.tree.map(lambda g: jnp.where(keep, g * scale.astype(g.dtype), 0), grads)
-    value = jnp.where(real, jnp.asarray(value, jnp.float32), 0.0)
-    return value, clipped, jnp.where(real, norm, 0.0)
+MIXES_EXAMPLES = (
+  "clipped_grad: the loss has a `{prim}` over {axes}, an axis the examples are split over (the "
+  "batch varies over it). Its transpose sums cotangents from the other devices of that axis, so "
+  "each 'per-example' gradient would hold other devices' examples, and clipping it would not "
+  "bound one example's contribution. This is what a shard_map FSDP layout does when its "
+  "parameters are gathered over the axis the batch is split over. Run such a layout under "
+  "plain `jax.jit` (GSPMD keeps per-example gradients per example), or shard the parameters "
+  "over an axis the batch is not split over (a model axis: the clipping norm is then summed "
+  "across its shards)."
+)
+# Collectives whose transpose brings another device's cotangent into this one's gradient.
+_MIXING = frozenset({"all_gather", "reduce_scatter", "all_to_all", "ppermute"})
 
-  return one
+
+def _is_param(x: Any) -> bool:
+  """A leaf the gradient is taken with respect to: a floating array (as `eqx.is_inexact_array`)."""
+  return _batch.is_array(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+
+
+def _axes_of(tree: Any) -> frozenset:
+  """The mapped axes any leaf of `tree` varies over (empty outside shard_map)."""
+  return frozenset().union(*(_collectives.vma(x) for x in jax.tree.leaves(tree)))
+
+
+def _collectives_in(jaxpr: Any) -> set[tuple[str, tuple[str, ...]]]:
+  """``(primitive, axes)`` of the cross-device primitives of a jaxpr and its sub-jaxprs."""
+  found = set()
+  for eqn in jaxpr.eqns:
+    axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+    if axes is not None and eqn.primitive.name in _MIXING:
+      found.add((eqn.primitive.name, tuple(axes) if isinstance(axes, tuple | list) else (axes,)))
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, tuple | list) else (value,):
+        inner = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+        if hasattr(inner, "eqns"):
+          found |= _collectives_in(inner)
+  return found
+
+
+def _check_no_mixing(loss, params, args, batch_axes: frozenset) -> None:
+  """Raises MIXES_EXAMPLES if the loss moves values across an axis the examples are split
+  over (traced once more, abstractly: the check costs no compiled work)."""
+  jaxpr = jax.make_jaxpr(loss)(params, *args).jaxpr
+  for prim, axes in sorted(_collectives_in(jaxpr)):
+    hit = tuple(a for a in axes if a in batch_axes)
+    if hit:
+      raise ValueError(MIXES_EXAMPLES.format(prim=prim, axes=hit))
+
+
+def _magnitudes(g: jax.Array) -> tuple[jax.Array, tuple[int, ...]]:
+  """``|g|`` in (at least) float32, and the axes of one example (axis 0 the examples)."""
+  return jnp.abs(g).astype(jnp.promote_types(jnp.finfo(g.dtype).dtype, jnp.float32)), tuple(
+    range(1, g.ndim)
+  )
+
+
+def _plain_squares(g: jax.Array) -> jax.Array:
+  """``Σ g²`` of each example's leaf: (B,)."""
+  x, axes = _magnitudes(g)
+  return jnp.sum(x * x, axes)
+
+
+def _scaled_squares(g: jax.Array) -> jax.Array:
+  """``[Σ (g·_HI)², Σ (g·_LO)²]`` of each example's leaf, in one read: (B, 2)."""
+  x, axes = _magnitudes(g)
+  zero = jnp.zeros((), x.dtype)
+  high, low = lax.reduce(
+    (jnp.square(x * _HI), jnp.square(x * _LO)),
+    (zero, zero),
+    lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    axes,
+  )
+  return jnp.stack([high, low], axis=-1)
+
+
+def _scaled_norms(
+  grads: list, real: jax.Array, batch_axes: frozenset, l2_clip: float
+) -> tuple[jax.Array, jax.Array]:
+  """``(r, f)``: each example's global gradient norm as ``‖gᵢ‖ = rᵢ / fᵢ`` (see `_HI`).
+
+  The norm is over every parameter: inside `shard_map` a leaf that varies over a mapped axis
+  the batch does not vary over (a model axis: that leaf is one shard of the example's
+  gradient) has its squares summed over that axis; a replicated leaf counts once.
+  """
+  if not grads:
+    raise ValueError("clipped_grad: the parameters hold no floating arrays to differentiate.")
+  data_axes = tuple(sorted(batch_axes))
+  plain = _collectives.sum_over_shards([_plain_squares(g) for g in grads], grads, data_axes)
+  finite = jnp.isfinite(plain)
+  low_matters = l2_clip < 2.0**-30  # else a tiny gradient is below C: not clipped
+  normal = finite & ((plain >= _TINY) | (not low_matters))
+  # The second pass, for a batch with an example whose plain sum is not normal (a NaN too: it
+  # is then dropped). Padding is left out: its rows may hold anything.
+  redo = jnp.any(real & ~normal)
+  zeros = lambda gs: [jnp.zeros((g.shape[0], 2), _magnitudes(g)[0].dtype) for g in gs]  # noqa: E731
+  parts = _collectives.cond(redo, lambda gs: [_scaled_squares(g) for g in gs], zeros, grads)
+  both = _collectives.sum_over_shards(parts, grads, data_axes)
+  high, low = both[..., 0], both[..., 1]
+  r = jnp.sqrt(jnp.where(normal, plain, jnp.where(finite, low, high)))
+  f = jnp.where(normal, 1.0, jnp.where(finite, _LO, _HI)).astype(r.dtype)
+  return r, f
+
+
+class Params(NamedTuple):
+  """The parameters split for differentiation: the floating arrays, and how to put them back."""
+
+  arrays: list  # the leaves the gradient is taken with respect to
+  rebuild: Callable[[list], Any]  # arrays -> the parameters (other leaves held as they were)
+  tree_of: Callable[
+    [list], Any
+  ]  # one value per array -> a tree like the parameters, None elsewhere
+
+
+def split_params(params: Any) -> Params:
+  """The floating arrays of `params` (as `eqx.is_inexact_array`): an Equinox module's functions,
+  integer arrays and static fields are held as they are, not differentiated."""
+  leaves, treedef = jax.tree.flatten(params)
+  which = [_is_param(x) for x in leaves]
+
+  def rebuild(arrays):
+    it = iter(arrays)
+    return treedef.unflatten([next(it) if w else x for x, w in zip(leaves, which, strict=True)])
+
+  def tree_of(values):
+    it = iter(values)
+    return treedef.unflatten([next(it) if w else None for w in which])
+
+  return Params([x for x, w in zip(leaves, which, strict=True) if w], rebuild, tree_of)
+
+
+def like_params(sums: list, arrays: list) -> list:
+  """Each clipped sum reduced over the mapped axes its parameter is replicated over (the
+  batch's axes, where the parameters were made varying to keep each example's gradient its
+  own): the variance `jax.grad` with respect to the given parameters would have."""
+  out = []
+  for g, p in zip(sums, arrays, strict=True):
+    extra = tuple(sorted(_collectives.vma(g) - _collectives.vma(p)))
+    out.append(lax.psum(g, extra) if extra else g)
+  return out
 
 
 def clipped_sum(loss, l2_clip: float, nums, mask_argnum, params, args) -> tuple[Any, Any, Any]:
-  """``(Σ real values, Σ clip_C(∇ℓᵢ), ClipStats)`` of one batch; `args` are the loss's
-  arguments after the parameters, with the mask (if any) still at `mask_argnum`."""
+  """``(Σ real values, [Σ clip_C(∇ℓᵢ) per array], ClipStats)`` of one batch; `params` a
+  `Params`; `args` are the loss's arguments after the parameters, with the mask (if any)
+  still at `mask_argnum`.
+
+  Inside `shard_map` the parameters are made device-varying over the batch's axes first, so
+  that each example's gradient stays its own (no all-reduce inside the per-example vmap): the
+  sums are the device's own (`like_params` reduces them as `jax.grad` would).
+  """
   args = list(args)
   mask = args.pop(mask_argnum - 1) if mask_argnum is not None else None
   size = _batch_size(args, nums)
   real = _real(mask, size)
-  in_axes = (None, 0, *[0 if n + 1 in nums else None for n in range(len(args))])
-  one = _one_example(loss, nums, l2_clip)
-  values, clipped, norms = jax.vmap(one, in_axes=in_axes)(params, real, *args)
-  grads = jax.tree.map(
-    lambda g, p: jnp.sum(g, axis=0, dtype=jnp.promote_types(g.dtype, jnp.float32)).astype(
-      jnp.result_type(p)
-    ),
-    clipped,
-    params,
-  )
+  batch_axes = _axes_of([args[n - 1] for n in nums] + [real])
+
+  diff = params.arrays
+  local = [_collectives._pcast(x, batch_axes) for x in diff]
+
+  def example_loss(d, *xs):
+    xs = [jax.tree.map(lambda v: v[None], a) if n + 1 in nums else a for n, a in enumerate(xs)]
+    return loss(params.rebuild(d), *xs)
+
+  if batch_axes:
+    one = [jax.tree.map(lambda v: v[0], a) if n + 1 in nums else a for n, a in enumerate(args)]
+    _check_no_mixing(example_loss, local, one, batch_axes)
+
+  in_axes = (None, *[0 if n + 1 in nums else None for n in range(len(args))])
+  values, grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=in_axes)(local, *args)
+  r, f = _scaled_norms(grads, real, batch_axes, l2_clip)
+  # A non-finite gradient would carry an unbounded (NaN) contribution: it counts as 0.
+  keep = real & jnp.isfinite(r)
+  clip = keep & (jnp.asarray(l2_clip, r.dtype) / r < 1 / f)  # ‖g‖ > C (C/r: 0 or inf is fine)
+  inv_r = jnp.where(clip, 1 / r, 1.0)
+
+  def clipped_total(g, p):
+    acc = jnp.promote_types(g.dtype, jnp.float32)
+    shape = (-1,) + (1,) * (g.ndim - 1)
+    g = g.astype(acc)
+    # (g·f)·(1/r) = g/‖g‖, each factor and product in range; then times C.
+    unit = (g * f.reshape(shape).astype(acc)) * inv_r.reshape(shape).astype(acc)
+    out = jnp.where(clip.reshape(shape), unit * jnp.asarray(l2_clip, acc), g)
+    return jnp.sum(jnp.where(keep.reshape(shape), out, 0), axis=0).astype(jnp.result_type(p))
+
+  sums = [clipped_total(g, p) for g, p in zip(grads, diff, strict=True)]
+  norms = jnp.where(real, r / f, 0.0)
   count = jnp.sum(real, dtype=jnp.float32)
   stats = ClipStats(count, jnp.sum(norms > l2_clip, dtype=jnp.float32), norms)
-  return jnp.sum(values), grads, stats
+  value = jnp.sum(jnp.where(real, jnp.asarray(values, jnp.float32), 0.0))
+  return value, sums, stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +422,9 @@ def clipped_grad(
   nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
 
   def fun(params: Any, *args: Any) -> Any:
-    _, grads, stats = clipped_sum(loss, l2_clip, nums, mask_argnum, params, args)
+    split = split_params(params)
+    _, sums, stats = clipped_sum(loss, l2_clip, nums, mask_argnum, split, args)
+    grads = split.tree_of(like_params(sums, split.arrays))
     return (grads, stats) if return_stats else grads
 
   return ClippedGrad(fun, l2_clip, bool(return_stats))
@@ -298,18 +469,25 @@ def clipped_loss(
   nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
 
   def f(params: Any, *args: Any) -> jax.Array:
+    split = split_params(params)
+    clipped = lambda arrays: clipped_sum(  # noqa: E731
+      loss, l2_clip, nums, mask_argnum, split._replace(arrays=arrays), args
+    )
+
     @jax.custom_vjp
-    def value(p):
-      return clipped_sum(loss, l2_clip, nums, mask_argnum, p, args)[0]
+    def value(arrays):
+      return clipped(arrays)[0]
 
-    def fwd(p):
-      v, grads, _ = clipped_sum(loss, l2_clip, nums, mask_argnum, p, args)
-      return v, grads
+    def fwd(arrays):
+      v, sums, _ = clipped(arrays)
+      return v, (sums, arrays)
 
-    def bwd(grads, ct):
-      return (jax.tree.map(lambda g: (ct * g).astype(g.dtype), grads),)
+    def bwd(res, ct):
+      sums, arrays = res
+      scaled = [(ct * g).astype(g.dtype) for g in sums]
+      return (like_params(scaled, arrays),)
 
     value.defvjp(fwd, bwd)
-    return value(params)
+    return value(split.arrays)
 
   return f

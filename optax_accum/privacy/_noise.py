@@ -8,6 +8,14 @@ after an in-step `microbatch(clipped_grad(...), k, reduction="sum")` it runs onc
 The noise key is ``fold_in(key, count)`` with ``count`` the transformation's own update count
 (its state): never reused between updates, identical on every device (the key and the count
 are replicated), and the count is what the accountant must be given (`dp_updates`).
+
+The noise is independent per coordinate whatever the layout. Under plain `jax.jit` a leaf is
+one global array, drawn whole (sharded or not, the same numbers: JAX's partitionable
+threefry). Inside `shard_map` a leaf that varies over mapped axes is a different piece on each
+device of them (a tensor-parallel shard): its key also folds in the device's index along each
+of those axes, so shards draw different noise, while a leaf replicated over an axis (a
+replicated parameter; a sum already reduced over the data axis) draws the same noise on every
+device of it.
 """
 
 from __future__ import annotations
@@ -20,6 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax import lax
+
+from optax_accum import _collectives
 
 KEY_REUSED = (
   "dp_noise: this key (data {data}) was already given to another dp_noise that is still "
@@ -40,7 +51,7 @@ class DPNoiseState(NamedTuple):
   """`dp_noise`'s state: its update count (the accountant's) and its key."""
 
   count: jax.Array  # shape=(), dtype=jnp.int32: noisy updates made so far
-  key: jax.Array  # shape=(2,), dtype=jnp.uint32: the raw key data noise is drawn from
+  key: jax.Array  # shape=(n,), dtype=jnp.uint32: the raw key data (n = 2 for threefry)
 
 
 def _check_number(value: Any, name: str, *, positive: bool) -> float:
@@ -53,27 +64,31 @@ def _check_number(value: Any, name: str, *, positive: bool) -> float:
   return float(value)
 
 
-def _key_data(key: Any) -> jax.Array:
-  """The raw uint32 data of a single PRNG key (typed or legacy), else a clear error."""
+def _key_data(key: Any) -> tuple[jax.Array, Any]:
+  """The raw uint32 data of a single PRNG key (typed, of any implementation, or legacy) and
+  its implementation, else a clear error."""
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     if key.shape != ():
       raise ValueError(f"dp_noise: key must be a single PRNG key, got keys of shape {key.shape}.")
-    return jax.random.key_data(key)
+    return jax.random.key_data(key), jax.random.key_impl(key)
   arr = key if isinstance(key, jax.Array | np.ndarray) else None
-  if arr is None or arr.dtype != np.uint32 or arr.shape != (2,):
+  # A legacy raw key is the default implementation's data (`jax.random.PRNGKey`).
+  impl = jax.random.key_impl(jax.random.key(0))
+  shape = jax.random.key_data(jax.random.key(0)).shape
+  if arr is None or arr.dtype != np.uint32 or arr.shape != shape:
     what = repr(key) if arr is None else f"{arr.dtype}{list(arr.shape)}"
     raise TypeError(
-      f"dp_noise: key must be a PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)), "
-      f"got {what}."
+      f"dp_noise: key must be a PRNG key (jax.random.key(seed), of any implementation, or the "
+      f"legacy jax.random.PRNGKey(seed), uint32{list(shape)}), got {what}."
     )
-  return jnp.asarray(arr)
+  return jnp.asarray(arr), impl
 
 
-def _claim(data: jax.Array, owner: Any, allow: bool) -> None:
+def _claim(data: jax.Array, impl: Any, owner: Any, allow: bool) -> None:
   """Records the key as in use; raises if a live dp_noise already holds it."""
   if isinstance(data, jax.core.Tracer):
     return  # built under a transformation: the key has no value to compare
-  fingerprint = np.asarray(data).tobytes()
+  fingerprint = str(impl).encode() + b":" + np.asarray(data).tobytes()
   held = _KEYS.get(fingerprint)
   if held is not None and held() is not None and not allow:
     # A finished run's optimizer often sits in a reference cycle (a training-step object and
@@ -84,12 +99,21 @@ def _claim(data: jax.Array, owner: Any, allow: bool) -> None:
   _KEYS[fingerprint] = weakref.ref(owner)
 
 
+def _leaf_key(key: jax.Array, x: Any) -> jax.Array:
+  """`key`, folded with this device's index along each mapped axis `x` varies over (inside
+  `shard_map`: a shard of a leaf split over that axis draws its own noise)."""
+  for axis in sorted(_collectives.vma(x)):
+    key = jax.random.fold_in(key, lax.axis_index(axis))
+  return key
+
+
 def _noise(tree: Any, key: jax.Array, stddev: float) -> Any:
-  """``stddev · ξ`` with ξ ~ N(0, I) shaped like `tree`, float32, one key per leaf."""
+  """``stddev · ξ`` with ξ ~ N(0, I) shaped like `tree`, float32, one key per leaf (and per
+  shard of a leaf that varies over mapped axes)."""
   leaves, treedef = jax.tree.flatten(tree)
   keys = jax.random.split(key, len(leaves))
   noise = [
-    stddev * jax.random.normal(k, jnp.shape(x), jnp.float32)
+    stddev * jax.random.normal(_leaf_key(k, x), jnp.shape(x), jnp.float32)
     for k, x in zip(keys, leaves, strict=True)
   ]
   return jax.tree.unflatten(treedef, noise)
@@ -121,8 +145,9 @@ def dp_noise(
     noise_multiplier: σ >= 0 (0: no noise, for testing; not private).
     l2_clip: C > 0, the clip norm used by `clipped_grad`.
     expected_batch_size: B > 0, the public expected size of a logical batch.
-    key: a PRNG key (``jax.random.key(seed)`` or the legacy ``PRNGKey``), used for nothing
-      else; each run needs its own.
+    key: a PRNG key (``jax.random.key(seed)``, of any implementation, e.g.
+      ``jax.random.key(seed, impl="rbg")``, or the legacy ``PRNGKey``), used for nothing else;
+      each run needs its own.
     allow_key_reuse: allow a key that another live `dp_noise` holds (the same run rebuilt to
       resume from a checkpoint that restores the count). Otherwise that is an error.
 
@@ -143,7 +168,7 @@ def dp_noise(
   sigma = _check_number(noise_multiplier, "noise_multiplier", positive=False)
   clip = _check_number(l2_clip, "l2_clip", positive=True)
   batch = _check_number(expected_batch_size, "expected_batch_size", positive=True)
-  data = _key_data(key)
+  data, impl = _key_data(key)
   stddev = sigma * clip
 
   def init_fn(params: Any) -> DPNoiseState:
@@ -154,12 +179,12 @@ def dp_noise(
     del params, extra_args
     total = jax.tree.map(lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)), updates)
     if stddev > 0:  # σ = 0 draws nothing: the update is exactly the clipped sum / B
-      key = jax.random.fold_in(jax.random.wrap_key_data(state.key), state.count)
+      key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.count)
       total = jax.tree.map(lambda g, z: g + z, total, _noise(total, key, stddev))
     new = jax.tree.map(lambda t, g: (t / batch).astype(g.dtype), total, updates)
     return new, DPNoiseState(optax.safe_increment(state.count), state.key)
 
-  _claim(data, init_fn, allow_key_reuse)
+  _claim(data, impl, init_fn, allow_key_reuse)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

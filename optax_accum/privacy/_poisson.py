@@ -26,10 +26,28 @@ TOO_LARGE = (
 )
 
 
-def _positive_int(value: Any, name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-    raise ValueError(f"PoissonSampler: {name} must be a positive int, got {value!r}.")
+def _int(value: Any, name: str, low: int) -> int:
+  """`value` as an int >= `low`: a TypeError for what is not an int (bool, float, str), a
+  ValueError for one out of range."""
+  need = "a positive int" if low == 1 else f"an int >= {low}"
+  if isinstance(value, bool) or not isinstance(value, int | np.integer):
+    raise TypeError(
+      f"PoissonSampler: {name} must be {need}, got {value!r} of type {type(value).__name__}."
+    )
+  if value < low:
+    raise ValueError(f"PoissonSampler: {name} must be {need}, got {value!r}.")
   return int(value)
+
+
+def _rate(value: Any) -> float:
+  if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    raise TypeError(
+      f"PoissonSampler: sampling_rate must be a number in (0, 1], got {value!r} of type "
+      f"{type(value).__name__}."
+    )
+  if not 0 < float(value) <= 1:  # NaN fails too
+    raise ValueError(f"PoissonSampler: sampling_rate must be in (0, 1], got {value!r}.")
+  return float(value)
 
 
 class PoissonBatch(NamedTuple):
@@ -75,8 +93,12 @@ class PoissonSampler:
     start: the first logical batch iteration yields (resume at ``start``).
 
   Raises:
-    ValueError: for sizes that are not positive ints, a rate outside (0, 1], or (when
-      sampling) a draw larger than `max_microbatches` micro-batches hold.
+    TypeError: for an argument of the wrong type (a size, seed or start that is not an int,
+      e.g. a float or a bool; a rate that is not a number, e.g. the string "0.1"; a split
+      that is not a string).
+    ValueError: for sizes that are not positive, a negative seed or start, a rate outside
+      (0, 1], an unknown split, or (when sampling) a draw larger than `max_microbatches`
+      micro-batches hold.
 
   >>> import optax_accum
   >>> s = optax_accum.privacy.PoissonSampler(1000, 0.1, 32, seed=0, max_microbatches=6)
@@ -96,23 +118,19 @@ class PoissonSampler:
     split: Split = "contiguous",
     start: int = 0,
   ):
-    self.num_examples = _positive_int(num_examples, "num_examples")
-    self.microbatch_size = _positive_int(microbatch_size, "microbatch_size")
-    if isinstance(sampling_rate, bool) or not 0 < float(sampling_rate) <= 1:
-      raise ValueError(f"PoissonSampler: sampling_rate must be in (0, 1], got {sampling_rate!r}.")
-    self.sampling_rate = float(sampling_rate)
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
-      raise ValueError(f"PoissonSampler: seed must be an int >= 0, got {seed!r}.")
-    self.seed = int(seed)
+    self.num_examples = _int(num_examples, "num_examples", 1)
+    self.sampling_rate = _rate(sampling_rate)
+    self.microbatch_size = _int(microbatch_size, "microbatch_size", 1)
+    self.seed = _int(seed, "seed", 0)
     if max_microbatches is not None:
-      max_microbatches = _positive_int(max_microbatches, "max_microbatches")
+      max_microbatches = _int(max_microbatches, "max_microbatches", 1)
     self.max_microbatches = max_microbatches
+    if not isinstance(split, str):
+      raise TypeError(f"PoissonSampler: split must be one of {SPLITS}, got {split!r}.")
     if split not in SPLITS:
       raise ValueError(f"PoissonSampler: split must be one of {SPLITS}, got {split!r}.")
     self.split = split
-    if isinstance(start, bool) or not isinstance(start, int | np.integer) or start < 0:
-      raise ValueError(f"PoissonSampler: start must be an int >= 0, got {start!r}.")
-    self.step = int(start)
+    self.step = _int(start, "start", 0)
 
   @property
   def expected_batch_size(self) -> float:
