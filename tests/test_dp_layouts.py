@@ -432,6 +432,7 @@ def test_dp_layout_shard_map_data_noise_same_on_every_device(front):
       assert np.all(leaf == leaf[:1])
 
 
+@pytest.mark.slow  # six TrainStep/microbatch compilations under 2-D meshes (CI runs it)
 @pytest.mark.parametrize("front", ["microbatch", "accumulate"])
 @pytest.mark.parametrize("layout", ["jit-auto-data-model", "jit-explicit-data-model", "jit-fsdp"])
 def test_dp_layout_plain_jit_noise_is_the_one_device_draw(layout, front):
