@@ -432,6 +432,7 @@ def test_dp_layout_shard_map_data_noise_same_on_every_device(front):
       assert np.all(leaf == leaf[:1])
 
 
+@pytest.mark.slow  # six TrainStep/microbatch compilations under 2-D meshes (CI runs it)
 @pytest.mark.parametrize("front", ["microbatch", "accumulate"])
 @pytest.mark.parametrize("layout", ["jit-auto-data-model", "jit-explicit-data-model", "jit-fsdp"])
 def test_dp_layout_plain_jit_noise_is_the_one_device_draw(layout, front):
@@ -452,3 +453,20 @@ def test_dp_layout_plain_jit_noise_is_the_one_device_draw(layout, front):
 def test_dp_layout_one_device_noise_std(front):
   z, _ = noise_samples("one-device", front)
   _check_std(z)
+
+
+@pytest.mark.parametrize("fn", ["clipped_grad", "clipped_loss"])
+def test_dp_layout_shard_map_replicated_params_give_the_global_clipped_sum(fn):
+  """Parameters replicated over "data" (not made varying by the caller): `jax.grad` would
+  all-reduce inside the per-example vmap, summing the devices' i-th examples before clipping.
+  The library keeps each example's gradient its own and reduces the clipped sums once: the
+  result is the clipped sum over every device's examples, replicated, as `jax.grad`'s is."""
+  params, batch, clip, expected = problem()
+  mesh = _sm_mesh((4, 2))
+  if fn == "clipped_grad":
+    f = privacy.clipped_grad(manual_loss, clip)
+  else:
+    f = jax.grad(privacy.clipped_loss(manual_loss, clip))
+  prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(MODEL_SPECS, P(AX)), out_specs=MODEL_SPECS))
+  got = prog(_put(params, mesh, MODEL_SPECS), ref.shard(batch, mesh, P(AX)))
+  assert_close(jax.tree.map(lambda v: np.asarray(v) / N, got), expected)

@@ -379,7 +379,18 @@ def clipped_grad(
   size 1 (jax_privacy's ``keep_batch_dim=True``), so a loss written for a batch works as it is.
   The gradient is taken with respect to argument 0 and summed in float32, then cast to each
   parameter's dtype. An example whose gradient is not finite contributes 0 (an unbounded
-  contribution would void the guarantee). Padding examples (mask 0) contribute exactly 0.
+  contribution would void the guarantee). Padding examples (mask 0) contribute exactly 0. The
+  norm is computed without overflow or underflow: any finite gradient longer than ``C``
+  contributes ``C·g/‖g‖`` (an exploding one too).
+
+  The gradient is taken with respect to the floating arrays of the parameters; other leaves (an
+  Equinox module's activation functions, integer arrays) are held as they are and get None in
+  the result, as ``eqx.filter_grad`` gives. Every layout: under plain `jax.jit` (a sharded
+  parameter is a global array); inside `shard_map`, the parameters are made device-varying over
+  the axes the batch varies over (so each example's gradient stays its own) and the squares of
+  a leaf that varies over another mapped axis (a model shard) are summed over it, so the norm
+  is the global one across model shards; the result has the variance of the given parameters,
+  as `jax.grad`'s would.
 
   Compose it with `microbatch` for a logical batch larger than one micro-batch, e.g.
   ``microbatch(clipped_grad(loss, C), k, reduction="sum")``; the memory is one micro-batch of
@@ -406,7 +417,9 @@ def clipped_grad(
     TypeError, ValueError: for an `l2_clip` that is not a positive finite number, empty or
       negative `batch_argnums` (or one naming the parameters), a bad `mask_argnum`; at call
       time, for batch arguments that are missing, hold no arrays or disagree on the batch
-      size, or a mask of the wrong shape.
+      size, a mask of the wrong shape, parameters without a floating array, or (inside
+      `shard_map`) a loss that gathers or permutes values over an axis the examples are split
+      over (FSDP written by hand: per-example gradients would mix examples).
 
   >>> import jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)  # per-example gradient: the example x itself
