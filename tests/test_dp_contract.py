@@ -210,6 +210,62 @@ def data_parallel_run(**kw):
   return run
 
 
+def _model_sharded(run) -> float:
+  """‖Δupdate‖·B/C on a (data, model) layout of `test_dp_layouts` (a tensor-parallel MLP, its
+  hidden layer split over "model"): D has an example whose residual is zero (its gradient is
+  0 up to rounding: absent), D' the same example with its target moved by 1e3 (its gradient is
+  clipped to exactly C). The same noise key (σ = 0.5) for both: the noise cancels."""
+  import test_dp_layouts as lay  # noqa: PLC0415  (8-device tests only)
+
+  params, batch, clip, expected = lay.problem()
+  x = batch["x"][:1]
+  h = np.tanh(np.float64(x) @ params["w0"] + params["b0"])
+  target = (h @ params["w1"] + params["b1"]).astype(np.float32)
+  updates = []
+  for shift in (0.0, 1e3):
+    y = batch["y"].copy()
+    y[:1] = target + shift
+    neighbour = {**batch, "y": y}
+    saved, lay.problem = lay.problem, lambda b=neighbour: (params, b, clip, expected)
+    try:
+      updates.append(run())
+    finally:
+      lay.problem = saved
+  diff = [
+    np.float64(a) - np.float64(b)
+    for a, b in zip(jax.tree.leaves(updates[1]), jax.tree.leaves(updates[0]), strict=True)
+  ]
+  return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * lay.N / clip
+
+
+def _model_layouts(runs) -> float:
+  """The largest ratio of several front ends on one layout; each must reach ≥ 0.99."""
+  measured = [_model_sharded(run) for run in runs]
+  assert min(measured) >= 0.99, measured
+  return max(measured)
+
+
+@functools.cache
+def shard_map_data_model() -> float:
+  import test_dp_layouts as lay  # noqa: PLC0415
+
+  return _model_layouts([
+    lambda front=front: lay.run_shard_map((4, 2), front, 0.5)[0][0]
+    for front in ("microbatch", "accumulate")
+  ])  # fmt: skip
+
+
+@functools.cache
+def jit_data_model() -> float:
+  import test_dp_layouts as lay  # noqa: PLC0415
+
+  return _model_layouts([
+    lambda kind=kind, front=front: lay.run_jit(kind, front, 0.5)[0]
+    for kind in ("auto", "explicit")
+    for front in ("microbatch", "TrainStep")
+  ])  # fmt: skip
+
+
 # ----------------------------------------------------------------------------------------------
 # Rows that are kept or made right: what each measures (a configuration shared by several rows
 # is measured once).
@@ -394,6 +450,8 @@ SENSITIVITY = {
   'layout:plain jit, mesh ("data",)': lambda: min(
     train_step_data_parallel(), microbatch_bound_here(), data_parallel(sync="update")
   ),
+  'layout:shard_map over ("data", "model")': shard_map_data_model,
+  'layout:plain jit, mesh ("data", "model")': jit_data_model,
 }
 
 # ----------------------------------------------------------------------------------------------

@@ -162,6 +162,11 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "accumulate and microbatch with axis_name inside jax.shard_map, 8 devices"),
   _R("layout", 'plain jit, mesh ("data",)', KEPT,
      "TrainStep(axis_name), microbatch(axis_name, mesh) and data_parallel bind the axis"),
+  _R("layout", 'shard_map over ("data", "model")', MADE_RIGHT,
+     "the per-example norm is global (a model shard's squares summed over the model axis); a "
+     "sharded leaf draws its own noise per model shard, a replicated one the same everywhere"),
+  _R("layout", 'plain jit, mesh ("data", "model")', KEPT,
+     "each leaf is one global array: norms and noise are global (Auto and Explicit axes)"),
 ))  # fmt: skip
 
 
