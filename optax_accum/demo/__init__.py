@@ -119,6 +119,8 @@ class Phases:
     desc: the bar's label.
     progress: whether to show it.
 
+  >>> import pytest
+  >>> _ = pytest.importorskip("tqdm")  # the examples extra's (the wheel alone lacks it)
   >>> phases = Phases(2, "setup", progress=False)
   >>> phases("the model"); phases("compiling"); phases.close()
   """
