@@ -340,6 +340,9 @@ class TrainStep:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
+    if self._private:  # a clipped loss: the accumulator made for these parameters (≥ float32)
+      arrays = _batch.none_for_static(_batch.hide_static(params))
+      _accumulate.check_private(self._cfg, "TrainStep.init", arrays)
     if not self._cfg.axis.stacks:
       self._pin(params)
       specs = self._mesh_state_shardings(params)

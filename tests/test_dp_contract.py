@@ -618,3 +618,16 @@ def test_private_recognition_is_one_way_and_sees_through_wrappers():
   assert _checks.private_fun(declared)
   assert _checks.holds_private_state(jax.eval_shape(inner().init, P0))
   assert not _checks.holds_private_state(optax.adam(1.0).init(P0))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_clipped_loss_refuses_a_2_byte_accumulator_without_dp_noise_in_the_chain(rounding):
+  """A clipped loss alone makes the path private: `TrainStep.init` refuses a bfloat16
+  accumulator (`rounding=` takes `accum_dtype` literally) even when `dp_noise` is not in the
+  inner chain (it may be applied elsewhere)."""
+  step = oa.TrainStep(
+    CLIPPED_LOSS, optax.sgd(1.0), STEPS, reduction="sum", accum_dtype=jnp.bfloat16,
+    rounding=rounding,
+  )  # fmt: skip
+  with pytest.raises(ValueError, match=r"TrainStep\.init: accum_dtype=bfloat16 on a private"):
+    step.init(P0)
