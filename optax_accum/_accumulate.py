@@ -325,9 +325,9 @@ def _check_window(cfg: Config, state: AccumulateState) -> None:
   raise ValueError(
     f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
     "state with the object that updates it: `tx.init(params)` or `step.init(params)`. To "
-    "change every_k between runs at a window boundary (mini_step == 0), keep the rest: "
-    "tx.init(params)._replace(inner_state=old.inner_state, gradient_step=old.gradient_step, "
-    "num_skipped=old.num_skipped)."
+    "change every_k between runs at a window boundary (mini_step == 0), carry the rest over "
+    "into that new state: new._replace(inner_state=old.inner_state, "
+    "gradient_step=old.gradient_step, num_skipped=old.num_skipped)."
   )
 
 
