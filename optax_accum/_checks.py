@@ -100,6 +100,27 @@ def flag(value: Any, name: str, caller: str) -> Any:
   return value
 
 
+def host_bool(value: Any, name: str, caller: str) -> bool:
+  """A flag the host decides on (TrainStep's `force_emit`): a Python, NumPy or concrete JAX
+  boolean scalar, as a Python bool; anything else (an int, an array of another dtype or shape,
+  a traced value) raises a TypeError naming `name`, what it got and what it needs."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+  if isinstance(value, np.ndarray | jax.Array) and dtype == np.bool_ and shape == ():
+    if not isinstance(value, jax.core.Tracer):
+      return bool(value)
+    raise TypeError(
+      f"{caller}: {name} must be known on the host (it picks which compiled program runs), got "
+      "a traced value: call the step outside jax.jit, or pass a Python bool."
+    )
+  got = f"{type(value).__name__} {value!r}" if dtype is None else f"{dtype}{list(shape)} array"
+  raise TypeError(
+    f"{caller}: {name} must be a bool (Python, NumPy or a JAX boolean scalar), got {got}. "
+    f"Write {name}=True to close the window now, or {name}=bool(x)."
+  )
+
+
 def weight(value: Any, caller: str, name: str = "weight") -> jax.Array | None:
   """Validates a micro-batch weight: a real scalar; where concrete, non-negative and finite.
 
