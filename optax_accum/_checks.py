@@ -292,6 +292,20 @@ def private_reduction(fun: Any) -> Any:
   return "sum"
 
 
+def private_mask_argnum(fun: Any) -> int | None:
+  """Where a private function takes its padding mask (``mask_argnum`` of `privacy.clipped_grad`
+  or `privacy.clipped_loss`, found through its wrappers; a `functools.partial`'s bound
+  positional arguments shift it), or None."""
+  shift = 0
+  for f in _unwrapped(fun):
+    n = getattr(f, "mask_argnum", None)
+    if isinstance(n, int) and not isinstance(n, bool) and _declares_private(f):
+      return n - shift if n >= shift else None
+    if isinstance(f, functools.partial):
+      shift += len(f.args)
+  return None
+
+
 def _private_node(x: Any) -> bool:
   t = type(x)
   return getattr(t, "__dp_private__", False) is True or (
