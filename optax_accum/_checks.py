@@ -242,6 +242,12 @@ PRIVATE_REFUSED: dict[str, str] = {
     "the sensitivity the noise is scaled to no longer bounds it. Use accum_dtype=jnp.float32 "
     "(the default)."
   ),
+  "rdp_replace_one": (
+    "{caller}: neighboring_relation='replace_one' with accountant='rdp': dp-accounting's RDP "
+    "accountant has no analysis of Poisson-sampled Gaussian updates under replace-one "
+    "adjacency (it refuses the event), so no ε could be printed for it. Use accountant='pld' "
+    "(privacy loss distributions analyse it), or neighboring_relation='add_or_remove_one'."
+  ),
   "state_argnums": (
     "{caller}: state_argnums " + _WHY + " threads a state computed from the examples (e.g. "
     "BatchNorm statistics) from one micro-batch into the next: an example then reaches the "

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from optax_accum import _checks
 from optax_accum.privacy._clipping import check_relation
 
 Accountant = Literal["rdp", "pld"]
@@ -79,20 +80,12 @@ def _check(
   return int(value), q, d
 
 
-NO_RDP_REPLACE_ONE = (
-  "{caller}: neighboring_relation='replace_one' with accountant='rdp': dp-accounting's RDP "
-  "accountant has no analysis of Poisson-sampled Gaussian updates under replace-one adjacency "
-  "(it refuses the event). Use accountant='pld' (privacy loss distributions analyse it), or "
-  "neighboring_relation='add_or_remove_one'."
-)
-
-
 def _accountant(dp_accounting: Any, accountant: Any, caller: str, relation: str) -> Any:
   """A fresh accountant of that kind for that relation (a `check_relation` name)."""
   rel = getattr(dp_accounting.NeighboringRelation, relation.upper())
   if accountant == "rdp":
     if relation == "replace_one":
-      raise ValueError(NO_RDP_REPLACE_ONE.format(caller=caller))
+      _checks.refuse_private("rdp_replace_one", caller)
     return dp_accounting.rdp.RdpAccountant(neighboring_relation=rel)
   if accountant == "pld":
     return dp_accounting.pld.PLDAccountant(neighboring_relation=rel)

@@ -69,8 +69,8 @@ class ClipAux(NamedTuple):
   # shape=(B,), dtype=jnp.float32: each example's loss value, computed by the forward pass
   # that the gradient needs (no second pass); 0 for padding
   values: jax.Array | None
-  # the loss's aux of each example, stacked along a new leading axis (B, ...); rows of
-  # padding examples are 0
+  # the loss's aux of each example, one row each (B, ...): stacked, an axis 1 of size 1 (the
+  # example's own batch axis) squeezed; rows of padding examples are 0
   aux: Any
   stats: ClipStats | None  # as `return_stats` alone returns it
 
@@ -374,10 +374,14 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
 
 
 def _zero_padding(aux: Any, real: jax.Array) -> Any:
-  """The per-example aux with the padding examples' rows set to 0 (None stays None)."""
+  """The per-example aux with the padding examples' rows set to 0 (None stays None), and an
+  axis 1 of size 1 squeezed: an example's ``(1, ...)`` output (its batch axis of size 1) gives
+  ``(B, ...)`` rows, as jax_privacy's ``clipped_grad`` returns them."""
 
   def zero(x):
     x = jnp.asarray(x)
+    if x.ndim >= 2 and x.shape[1] == 1:
+      x = x[:, 0]
     return jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
 
   return None if aux is None else jax.tree.map(zero, aux)
@@ -498,8 +502,9 @@ def clipped_grad(
       to `loss`): a ``(B,)`` array, nonzero for real examples and 0 for padding. In a
       `microbatch`, name it in `batch_argnums` there so that it is split with the batch.
     has_aux: `loss` returns ``(value, aux)``; each example's aux is returned (``ClipAux.aux``,
-      stacked along a new leading axis: an example's ``(1, 10)`` logits come back
-      ``(B, 1, 10)``; padding rows 0).
+      one row per example, padding rows 0): stacked along a new leading axis, whose next axis
+      is dropped where it has size 1 (the example's batch axis: its ``(1, 10)`` logits come
+      back ``(B, 10)``, as jax_privacy's ``clipped_grad`` gives them; a scalar gives ``(B,)``).
     return_values: also return each example's loss value (``ClipAux.values``, ``(B,)``
       float32, 0 for padding), from the forward pass the gradient already runs: logging the
       loss costs no second pass. Their sum over the real examples is the batch's summed loss.
