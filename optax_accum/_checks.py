@@ -263,6 +263,12 @@ PRIVATE_REFUSED: dict[str, str] = {
     "the sensitivity the noise is scaled to no longer bounds it. Use accum_dtype=jnp.float32 "
     "(the default)."
   ),
+  "rdp_replace_one": (
+    "{caller}: neighboring_relation='replace_one' with accountant='rdp': dp-accounting's RDP "
+    "accountant has no analysis of Poisson-sampled Gaussian updates under replace-one "
+    "adjacency (it refuses the event), so no ε could be printed for it. Use accountant='pld' "
+    "(privacy loss distributions analyse it), or neighboring_relation='add_or_remove_one'."
+  ),
   "state_argnums": (
     "{caller}: state_argnums " + _WHY + " threads a state computed from the examples (e.g. "
     "BatchNorm statistics) from one micro-batch into the next: an example then reaches the "
@@ -311,6 +317,20 @@ def private_reduction(fun: Any) -> Any:
     if reduction is not None and not callable(reduction):
       return reduction
   return "sum"
+
+
+def private_mask_argnum(fun: Any) -> int | None:
+  """Where a private function takes its padding mask (``mask_argnum`` of `privacy.clipped_grad`
+  or `privacy.clipped_loss`, found through its wrappers; a `functools.partial`'s bound
+  positional arguments shift it), or None."""
+  shift = 0
+  for f in _unwrapped(fun):
+    n = getattr(f, "mask_argnum", None)
+    if isinstance(n, int) and not isinstance(n, bool) and _declares_private(f):
+      return n - shift if n >= shift else None
+    if isinstance(f, functools.partial):
+      shift += len(f.args)
+  return None
 
 
 def _private_node(x: Any) -> bool:
