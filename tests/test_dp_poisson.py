@@ -191,10 +191,10 @@ def test_dp_poisson_across_steps_host_window_matches_reference(problem):
     b = sampler.batch(t)
     before = params
     for i in range(b.num_microbatches):
-      rows = slice(i * B, (i + 1) * B)
-      mb = jax.tree.map(lambda v, b=b, rows=rows: v[b.indices[rows]], data)
+      idx, m = b.microbatch(i)  # micro-batch i in the batch's own layout
+      mb = jax.tree.map(lambda v, idx=idx: v[idx], data)
       last = i == b.num_microbatches - 1
-      params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
+      params, state, _ = step(params, state, mb, m, force_emit=last)
     moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
     assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)  # through p - (p - ĝ)
   assert int(oa.privacy.dp_updates(state)) == 3
@@ -214,10 +214,10 @@ def test_dp_poisson_two_devices_train_step_matches_reference(problem):
     b = sampler.batch(t)
     before = params
     for i in range(b.num_microbatches):  # each device takes half of every micro-batch
-      rows = slice(i * B, (i + 1) * B)
-      mb = jax.tree.map(lambda v, b=b, rows=rows: v[b.indices[rows]], data)
+      idx, m = b.microbatch(i)
+      mb = jax.tree.map(lambda v, idx=idx: v[idx], data)
       last = i == b.num_microbatches - 1
-      params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
+      params, state, _ = step(params, state, mb, m, force_emit=last)
     moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
     assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)
 
