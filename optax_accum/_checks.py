@@ -269,6 +269,13 @@ PRIVATE_REFUSED: dict[str, str] = {
     "adjacency (it refuses the event), so no ε could be printed for it. Use accountant='pld' "
     "(privacy loss distributions analyse it), or neighboring_relation='add_or_remove_one'."
   ),
+  "rescaled_clip": (
+    "{caller}: l2_clip is the clip norm C of a clipped function that divides each clipped "
+    "gradient by C (rescale_to_unit_norm=True): one example moves its sum by at most 1, not C, "
+    "so noise of std σ·C is not the noise the accountant is told about (σ for a bound of 1). "
+    "Use the clipped function itself as l2_clip, dp_noise(σ, clipped_fn, B, key), whose bound "
+    "the noise then follows, or l2_clip=1.0."
+  ),
   "state_argnums": (
     "{caller}: state_argnums " + _WHY + " threads a state computed from the examples (e.g. "
     "BatchNorm statistics) from one micro-batch into the next: an example then reaches the "

@@ -24,8 +24,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from optax_accum import _batch, _checks, _gspmd, _outputs, _scan
+from optax_accum import _batch, _checks, _collectives, _gspmd, _outputs, _scan
 from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
@@ -539,7 +540,11 @@ def _misplaced_rows(opts: _scan.Options, pos, args: tuple, trips: Any) -> jax.Ar
   mask, k = args[at], opts.k
   where = _row_microbatch(jnp.shape(mask)[0], k, opts.split)
   if isinstance(mask, jax.core.Tracer) or not isinstance(trips, int):
-    return jnp.any((jnp.asarray(mask) != 0) & (jnp.asarray(where) >= trips))
+    bad = jnp.any((jnp.asarray(mask) != 0) & (jnp.asarray(where) >= trips))
+    # Each device judges its rows; one scalar all-reduce makes the verdict the same everywhere
+    # (the outputs it poisons are reduced over those axes: they must stay replicated).
+    axes = tuple(sorted(_collectives.vma(bad)))
+    return lax.psum(bad.astype(jnp.int32), axes) > 0 if axes else bad
   real = np.asarray(mask) != 0
   lost = int(np.sum(real & (where >= trips)))
   if lost:

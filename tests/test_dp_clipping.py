@@ -338,3 +338,19 @@ def test_item19_rescale_to_unit_norm_divides_by_c_and_the_noise_follows(problem)
     oa.privacy.dp_noise(sigma, ref.mlp_loss, 32.0, jax.random.key(19_020))
   with pytest.raises(TypeError, match=r"clipped_grad: rescale_to_unit_norm must be a bool"):
     oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm="yes")
+
+
+def test_item19_rescale_refuses_noise_scaled_to_c():
+  """The inconsistent combination: a rescaled clipped function (bound 1) and dp_noise told its
+  C as a number (noise σ·C, while the accountant is told σ for a bound of 1) raises, naming the
+  fix; the function itself or 1.0 is accepted. A plain clipped function with the same C alive
+  beside it makes C a legitimate bound again (the noise may be for that one)."""
+  c = 0.37
+  rescaled = oa.privacy.clipped_loss(ref.mlp_loss, c, rescale_to_unit_norm=True)
+  with pytest.raises(ValueError, match=r"dp_noise: l2_clip is the clip norm C .* l2_clip=0\.37"):
+    oa.privacy.dp_noise(1.0, c, 8.0, jax.random.key(19_030))
+  oa.privacy.dp_noise(1.0, rescaled, 8.0, jax.random.key(19_031))
+  oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(19_032))
+  plain = oa.privacy.clipped_grad(ref.mlp_loss, c)
+  oa.privacy.dp_noise(1.0, c, 8.0, jax.random.key(19_033))
+  assert plain.l2_norm_bound == c and rescaled.l2_norm_bound == 1.0

@@ -569,7 +569,18 @@ def _train_step(**kw):
   return lambda: oa.TrainStep(CLIPPED_LOSS, inner(), **kw)
 
 
+def _rescaled_clip_noise():
+  rescaled = oa.privacy.clipped_grad(loss, 0.41, rescale_to_unit_norm=True)
+  try:
+    oa.privacy.dp_noise(SIGMA, 0.41, B, jax.random.key(41))
+  finally:
+    del rescaled
+
+
 REFUSALS = {
+  "dp_noise:l2_clip=C for clipped_grad/clipped_loss(..., rescale_to_unit_norm=True)": (
+    _rescaled_clip_noise
+  ),
   'dp_epsilon:neighboring_relation="replace_one", accountant="rdp"': lambda: oa.privacy.dp_epsilon(
     10, 0.1, 1.0, 1e-5, neighboring_relation="replace_one"
   ),

@@ -191,10 +191,10 @@ def test_dp_poisson_across_steps_host_window_matches_reference(problem):
     b = sampler.batch(t)
     before = params
     for i in range(b.num_microbatches):
-      rows = slice(i * B, (i + 1) * B)
-      mb = jax.tree.map(lambda v, b=b, rows=rows: v[b.indices[rows]], data)
+      idx, m = b.microbatch(i)  # micro-batch i in the batch's own layout
+      mb = jax.tree.map(lambda v, idx=idx: v[idx], data)
       last = i == b.num_microbatches - 1
-      params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
+      params, state, _ = step(params, state, mb, m, force_emit=last)
     moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
     assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)  # through p - (p - ĝ)
   assert int(oa.privacy.dp_updates(state)) == 3
@@ -214,10 +214,10 @@ def test_dp_poisson_two_devices_train_step_matches_reference(problem):
     b = sampler.batch(t)
     before = params
     for i in range(b.num_microbatches):  # each device takes half of every micro-batch
-      rows = slice(i * B, (i + 1) * B)
-      mb = jax.tree.map(lambda v, b=b, rows=rows: v[b.indices[rows]], data)
+      idx, m = b.microbatch(i)
+      mb = jax.tree.map(lambda v, idx=idx: v[idx], data)
       last = i == b.num_microbatches - 1
-      params, state, _ = step(params, state, mb, b.mask[rows], force_emit=last)
+      params, state, _ = step(params, state, mb, m, force_emit=last)
     moved = jax.tree.map(lambda a, c: np.asarray(a, np.float64) - np.asarray(c), before, params)
     assert_close(moved, _expected(before, data, clip, b), rtol=1e-5)
 
@@ -318,3 +318,33 @@ def test_item11_poisson_batch_microbatch_rows_feed_a_host_loop(split):
   assert_close(moved, expected, rtol=1e-5)
   with pytest.raises(IndexError, match=r"PoissonBatch.microbatch: i must be an int in \[0, 14\)"):
     b.microbatch(14)
+
+
+@pytest.mark.parametrize("layout", ["strided", "contiguous"])
+def test_item11_layout_check_inside_shard_map_over_8_devices(layout):
+  """microbatch(axis_name) inside shard_map, a traced count: each device judges its own rows
+  and one scalar all-reduce makes the verdict global, so the outputs stay replicated (out_specs
+  P()). The sampler's default layout gives the float64 clipped sum; a contiguous one, NaN."""
+  from jax.sharding import PartitionSpec as P  # noqa: PLC0415
+
+  params, data, clip = _item11_problem()
+  sampler = oa.privacy.PoissonSampler(N11, Q11, B11, seed=5, max_microbatches=M11, split=layout)
+  b = sampler.batch(0)
+  rows = jax.tree.map(lambda v: v[b.indices], data)
+  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=2)
+
+  def summed(p, r, m, n):
+    return oa.microbatch(cg, M11, batch_argnums=(1, 2), axis_name="data", num_real_microbatches=n)(
+      p, r, m
+    )
+
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  pspec = jax.tree.map(lambda _: P(), params)
+  specs = (pspec, jax.tree.map(lambda _: P("data"), rows), P("data"), P())
+  step = jax.jit(jax.shard_map(summed, mesh=mesh, in_specs=specs, out_specs=pspec))
+  got = step(params, rows, b.mask, jnp.int32(b.num_microbatches))
+  if layout == "strided":
+    sampled = jax.tree.map(lambda v: v[b.indices[b.mask]], data)
+    assert_close(got, reference_sum(params, sampled, clip))
+  else:
+    assert all(np.all(np.isnan(v)) for v in jax.tree.leaves(got))

@@ -15,6 +15,7 @@ reduction its outputs need.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -35,6 +36,22 @@ NO_BATCH = (
 # one example's contribution (jax_privacy's `BoundedSensitivityCallable.sensitivity`): replacing
 # one example by any other moves the sum by up to 2C, by a zero one (or adding/removing one) C.
 RELATIONS = {"add_or_remove_one": 1.0, "replace_special": 1.0, "replace_one": 2.0}
+
+
+# Live clipped functions (`ClippedGrad`s, `clipped_loss`'s functions) by clip norm C: whether
+# each rescales to unit norm. `dp_noise` reads it to catch l2_clip=C given for a rescaled sum.
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _register(fn: Any, l2_clip: float, rescale: bool) -> None:
+  _LIVE[fn] = (l2_clip, rescale)
+
+
+def only_rescaled(l2_clip: float) -> bool:
+  """Whether the live clipped functions with clip norm `l2_clip` (one at least) all rescale to
+  unit norm: then a noise scaled to `l2_clip` is that of another sum than theirs."""
+  kinds = {rescale for clip, rescale in list(_LIVE.values()) if clip == l2_clip}
+  return kinds == {True}
 
 
 def check_relation(value: Any, caller: str) -> str:
@@ -560,10 +577,12 @@ def clipped_grad(
       return grads, ClipAux(values, out.aux, out.stats if return_stats else None)
     return (grads, out.stats) if return_stats else grads
 
-  return ClippedGrad(
+  out = ClippedGrad(
     fun, opts.l2_clip, bool(return_stats), opts.has_aux, bool(return_values), opts.rescale,
     opts.mask_argnum,
   )  # fmt: skip
+  _register(out, opts.l2_clip, opts.rescale)
+  return out
 
 
 def clipped_loss(
@@ -631,4 +650,5 @@ def clipped_loss(
 
   f.l2_norm_bound = 1.0 if opts.rescale else opts.l2_clip  # type: ignore[attr-defined]
   f.mask_argnum = opts.mask_argnum  # type: ignore[attr-defined]
+  _register(f, opts.l2_clip, opts.rescale)
   return f

@@ -175,7 +175,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "GSPMD sums each micro-batch's clipped sums; the same sum"),
   _R("data_parallel", 'varying="concat"', KEPT,
      "joins per-device outputs; what it joins (ClipStats norms) is monitoring, not private"),
-  # the accountant
+  # the noise and the accountant
+  _R("dp_noise", "l2_clip=C for clipped_grad/clipped_loss(..., rescale_to_unit_norm=True)",
+     REFUSED, "noise σ·C on a sum whose bound is 1: not the noise the accountant is told",
+     "rescaled_clip"),
   _R("dp_epsilon", 'neighboring_relation="replace_one"', KEPT,
      "one example replaced moves the update by at most 2C/B (sensitivity(\"replace_one\")); "
      "dp_noise draws σ·C as for add-or-remove, and the PLD accountant analyses the outputs' "

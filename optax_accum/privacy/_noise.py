@@ -30,7 +30,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _collectives
+from optax_accum import _checks, _collectives
+from optax_accum.privacy import _clipping
 
 KEY_REUSED = (
   "dp_noise: this key (data {data}) was already given to another dp_noise that is still "
@@ -75,7 +76,11 @@ def _bound(l2_clip: Any) -> float:
         f"(privacy.clipped_grad or privacy.clipped_loss, whose bound it reads), got {l2_clip!r}."
       )
     return float(bound)
-  return _check_number(l2_clip, "l2_clip", positive=True)
+  clip = _check_number(l2_clip, "l2_clip", positive=True)
+  if clip != 1.0 and _clipping.only_rescaled(clip):
+    text = _checks.PRIVATE_REFUSED["rescaled_clip"].format(caller="dp_noise")
+    raise ValueError(f"{text} Got l2_clip={l2_clip!r}.")
+  return clip
 
 
 def _key_data(key: Any) -> tuple[jax.Array, Any]:
@@ -176,7 +181,9 @@ def dp_noise(
 
   Raises:
     TypeError, ValueError: for σ < 0, C <= 0, B <= 0 (or non-finite ones), a key that is not
-      a single PRNG key, or a key already held by another live `dp_noise`.
+      a single PRNG key, a key already held by another live `dp_noise`, or an `l2_clip`
+      number ``C != 1`` when every live clipped function with clip norm ``C`` rescales to
+      unit norm (the noise must follow their bound 1: pass the function).
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> tx = optax_accum.privacy.dp_noise(0.0, 1.0, 4.0, jax.random.key(0))
