@@ -164,6 +164,7 @@ def microbatch(
   noise_scale: int | Callable[[Any], Any] | None = None,
   axis_name: AxisName | None = None,
   mesh: Any = None,
+  unroll: int | bool = 1,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -312,6 +313,20 @@ def microbatch(
       device is an error, and `microbatch_size` counts each device's rows.
     mesh: the mesh whose `axis_name` to bind under plain `jax.jit`; default: the one in
       effect. Ignored inside a map that binds the axis.
+    unroll: how many micro-batches each iteration of the loop runs, as `jax.lax.scan` takes
+      it: a positive int, or True for all ``k`` (no loop: the body is copied into the program
+      ``k`` times). The results are the same. Default 1: one micro-batch per iteration, so
+      the program, its compile time and its memory stay those of one micro-batch whatever
+      ``k``. Unrolling trades those for speed where a loop body runs slower than the same
+      code outside a loop: on CPU, XLA runs convolutions' weight gradients inside a loop in a
+      slow form (jax-ml/jax#12868), and a small conv net's step (the Flax NNX MNIST CNN, k =
+      4) ran about 7 times faster with ``unroll=True``. But XLA then keeps every micro-batch's
+      activations alive: that step's temporary memory grew from 15 MB to 46 MB, more than
+      the large batch's 42 MB (``benchmarks/small_models.py``), and its compile time doubled.
+      Check with ``jax.jit(step).lower(...).compile().memory_analysis()``. A partial unroll
+      (``1 < unroll < k``) still runs a loop, convolutions as slow. Needs a trip count known
+      when tracing: a traced `num_real_microbatches` (a while loop) raises with any unroll
+      but 1.
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above
@@ -320,7 +335,8 @@ def microbatch(
   Raises:
     TypeError, ValueError: here, for a bad `num_microbatches`/`microbatch_size` (or both, or
       neither), argnums, argnames, `batch_axes`, `num_real_microbatches`, `reduction`,
-      `split` or `weight_fn`; at trace time, for a batch size not divisible by ``k`` (or
+      `split`, `weight_fn` or `unroll`; at trace time, for `unroll` other than 1 with a traced
+      `num_real_microbatches`, for a batch size not divisible by ``k`` (or
       `microbatch_size`), batch arguments that disagree on the batch size, positions out of
       range, a missing keyword batch argument, a `reduction` that does not fit the output, a
       "concat" output without one row per example, a host weight from `weight_fn` that is
@@ -371,6 +387,7 @@ def microbatch(
     noise=_check_noise(noise_scale),
     axis_name=axis_name,
     mesh=mesh,
+    unroll=_scan.check_unroll(unroll),
   )
 
   @_checks.wraps(fun)

@@ -60,6 +60,7 @@ class Options(NamedTuple):
   noise: int | Callable[[Any], Any] | None  # noise_scale: selects the gradient output
   axis_name: AxisName | None
   mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
+  unroll: int | bool = 1  # micro-batches per loop iteration (`lax.scan`'s unroll); True: all
   axis: _gspmd.Axis = _gspmd.Axis(None, "none")  # resolved per call
 
 
@@ -148,9 +149,40 @@ def run(opts: Options, pos, plan: _outputs.Plan, state0: tuple, operands: tuple,
   body = functools.partial(_body, opts=opts, pos=pos, plan=plan)
   if isinstance(trips, int) and trips == 1:
     carry = body(jnp.int32(0), carry)  # one micro-batch (k = 1 among others): no loop
+  elif isinstance(trips, int):
+    # A static trip count: `fori_loop` is a `lax.scan`, unrolled by `unroll` (True: all).
+    carry = lax.fori_loop(0, trips, body, carry, unroll=opts.unroll)
   else:
-    carry = lax.fori_loop(0, trips, body, carry)
+    if opts.unroll is True or opts.unroll != 1:
+      raise ValueError(UNROLL_TRACED.format(unroll=opts.unroll))
+    carry = lax.fori_loop(0, trips, body, carry)  # a while loop: no unrolling
   return _finish(opts, plan, carry)
+
+
+UNROLL_TRACED = (
+  "microbatch: unroll={unroll!r} needs a trip count known when tracing, but "
+  "num_real_microbatches is traced (the loop is a while loop that stops after the real "
+  "micro-batches, which cannot be unrolled). Use unroll=1 (the default), or pass "
+  "num_real_microbatches as a Python int (one compiled program per value)."
+)
+
+
+def check_unroll(value: Any) -> int | bool:
+  """`unroll`, as `lax.scan` takes it: a positive int, or a bool (True: every micro-batch
+  in one iteration; False: as 1)."""
+  if isinstance(value, bool | np.bool_):
+    return True if value else 1
+  if not isinstance(value, int | np.integer):
+    raise TypeError(
+      "microbatch: unroll must be a positive int (micro-batches per loop iteration) or True "
+      f"(all of them: no loop), got {value!r} of type {type(value).__name__}."
+    )
+  if value < 1:
+    raise ValueError(
+      f"microbatch: unroll must be a positive int or True, got {value}; 1 (the default) runs "
+      "one micro-batch per loop iteration."
+    )
+  return int(value)
 
 
 def _layout(kind: str, split: Split) -> Split:
