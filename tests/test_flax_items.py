@@ -5,6 +5,7 @@ batch, or the window without the dropped micro-batch.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import jax
@@ -12,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from flax import jax_utils, nnx
+from flax.training import dynamic_scale as dynamic_scale_lib
+from flax.training import train_state
 
 import optax_accum
 
@@ -241,3 +244,221 @@ def test_item19_batch_hint_never_names_the_model(as_module):
   with pytest.raises(ValueError, match=r"Argument 2 is passed whole.*batch_argnums=\(1, 2\)") as e:
     fn(*args)
   assert "Argument 0" not in str(e.value) and "argument 3" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 16: accumulate(axis_name=...) under Flax's usual pmap + TrainState.
+
+
+def _pmap_data(n_dev, k=2, b=3, seed=1):
+  rng = np.random.default_rng(seed)
+  x = jnp.asarray(rng.normal(size=(k, n_dev, b, FEATURES)), jnp.float32)
+  y = jnp.asarray(rng.normal(size=(k, n_dev, b)), jnp.float32)
+  return x, y
+
+
+def _linear_loss(params, x, y):
+  return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def test_item16_pmap_train_state_created_inside_the_map_matches_large_batch():
+  n_dev, k = jax.device_count(), 2
+  assert n_dev == 8
+  params = {"w": jnp.linspace(-1.0, 1.0, FEATURES), "b": jnp.zeros(())}
+  tx = optax_accum.accumulate(optax.adam(0.1), every_k=k, axis_name="batch")
+  create = lambda p: train_state.TrainState.create(apply_fn=None, params=p, tx=tx)  # noqa: E731
+  state = jax.pmap(create, axis_name="batch")(jax_utils.replicate(params))
+
+  @functools.partial(jax.pmap, axis_name="batch")
+  def step(state, x, y):
+    return state.apply_gradients(grads=jax.grad(_linear_loss)(state.params, x, y))
+
+  x, y = _pmap_data(n_dev, k)
+  for i in range(k):  # one window: k calls, each device with its own rows
+    state = step(state, x[i], y[i])
+  large = optax.adam(0.1)
+  all_x, all_y = x.reshape(-1, FEATURES), y.reshape(-1)
+  updates, _ = large.update(jax.grad(_linear_loss)(params, all_x, all_y), large.init(params))
+  want = optax.apply_updates(params, updates)
+  for d in range(n_dev):  # every device holds the large batch's parameters
+    _close(jax.tree.map(lambda a, d=d: a[d], state.params), want)
+  assert int(state.opt_state.gradient_step[0]) == 1
+
+
+def test_item16_pmap_errors_name_the_recipe():
+  params = {"w": jnp.zeros(FEATURES), "b": jnp.zeros(())}
+  tx = optax_accum.accumulate(optax.sgd(0.1), every_k=2, axis_name="batch")
+  recipe = r"(?s)TrainState.create calls tx.init outside any map.*jax.pmap\(tx.init"
+  with pytest.raises(
+    ValueError, match=r"(?s)accumulate.init: axis_name='batch' is not bound.*" + recipe[4:]
+  ):
+    train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  # A state made without the axis (outside the map), updated with it inside pmap.
+  plain = train_state.TrainState.create(
+    apply_fn=None, params=params, tx=optax_accum.accumulate(optax.sgd(0.1), every_k=2)
+  )
+  state = jax_utils.replicate(plain.replace(tx=tx))
+  step = jax.pmap(
+    lambda s, x, y: s.apply_gradients(grads=jax.grad(_linear_loss)(s.params, x, y)),
+    axis_name="batch",
+  )
+  x, y = _pmap_data(jax.device_count())
+  with pytest.raises(ValueError, match=r"(?s)was not made by init inside a map.*" + recipe[4:]):
+    step(state, x[0], y[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 14: counters, cadence and epoch ends. Item 19 (Linen): apply_gradients with weight=.
+
+
+class AccumTrainState(train_state.TrainState):
+  """The Linen recipe (docs/guides/flax.md): a `TrainState` whose `apply_gradients` passes
+  `weight` and `force_emit` to the optimizer and whose `step` counts updates, not calls."""
+
+  def apply_gradients(self, *, grads, weight=None, force_emit=False, **kwargs):
+    updates, opt_state = self.tx.update(
+      grads, self.opt_state, self.params, weight=weight, force_emit=force_emit
+    )
+    return self.replace(
+      step=self.step + optax_accum.has_updated(opt_state),  # updates, as without accumulation
+      params=optax.apply_updates(self.params, updates),
+      opt_state=opt_state,
+      **kwargs,
+    )
+
+
+def _adam_windows(params, windows, lr=0.1):
+  """The reference: plain Adam, one step per window on the window's rows as one large batch."""
+  tx = optax.adam(lr)
+  opt = tx.init(params)
+  for x, y in windows:
+    updates, opt = tx.update(jax.grad(_linear_loss)(params, x, y), opt)
+    params = optax.apply_updates(params, updates)
+  return params
+
+
+def test_item14_nnx_epoch_end_force_emit_and_update_counter():
+  class Lin(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.linspace(-1.0, 1.0, FEATURES))
+      self.b = nnx.Param(jnp.zeros(()))
+
+  model = Lin()
+  params0 = {"w": model.w[...], "b": model.b[...]}
+  opt = nnx.Optimizer(model, optax_accum.accumulate(optax.adam(0.1), every_k=4), wrt=nnx.Param)
+
+  @nnx.jit
+  def train_step(model, opt, x, y, last):
+    grads = nnx.grad(lambda m: _linear_loss({"w": m.w[...], "b": m.b[...]}, x, y))(model)
+    opt.update(model, grads, force_emit=last)  # nnx.Optimizer passes keywords to tx.update
+
+  x, y = _data(2 * 6 * 3, seed=3)
+  micro = [(x[i * 3 : (i + 1) * 3], y[i * 3 : (i + 1) * 3]) for i in range(12)]
+  for epoch in range(2):  # 6 micro-batches an epoch: a window of 4, then one of 2 at the end
+    for i in range(6):
+      train_step(model, opt, *micro[epoch * 6 + i], jnp.asarray(i == 5))
+  state = opt.opt_state
+  assert int(opt.step[...]) == 12  # nnx counts update calls: micro-steps
+  assert int(state.gradient_step[...]) == 4  # the updates: read this for schedules and cadence
+  assert int(state.mini_step[...]) == 0  # nothing pending at the epoch's end
+  cat = lambda ms: tuple(jnp.concatenate(v) for v in zip(*ms, strict=True))  # noqa: E731
+  windows = [cat(micro[0:4]), cat(micro[4:6]), cat(micro[6:10]), cat(micro[10:12])]
+  _close({"w": model.w[...], "b": model.b[...]}, _adam_windows(params0, windows))
+
+
+def test_item14_linen_step_counts_updates_and_drives_the_schedule():
+  State = AccumTrainState
+  schedule = optax.linear_schedule(0.1, 0.0, 4)
+  params = {"w": jnp.linspace(-1.0, 1.0, FEATURES), "b": jnp.zeros(())}
+  state = State.create(
+    apply_fn=None, params=params, tx=optax_accum.accumulate(optax.sgd(schedule), every_k=2)
+  )
+  step = jax.jit(lambda s, x, y: s.apply_gradients(grads=jax.grad(_linear_loss)(s.params, x, y)))
+  x, y = _data(6 * 2, seed=4)
+  lrs = []
+  for i in range(6):
+    state = step(state, x[2 * i : 2 * i + 2], y[2 * i : 2 * i + 2])
+    lrs.append(float(schedule(state.step)))  # the ImageNet example's learning_rate_fn metric
+  assert int(state.step) == 3  # 6 calls, 3 updates
+  np.testing.assert_allclose(lrs, [0.1, 0.075, 0.075, 0.05, 0.05, 0.025], rtol=1e-6)
+  want = optax.tree_utils.tree_get(state.opt_state, "gradient_step")
+  assert int(want) == int(state.step)
+
+
+def test_item19_linen_apply_gradients_with_token_weights_matches_large_batch():
+  State = AccumTrainState
+  params = {"w": jnp.linspace(-1.0, 1.0, FEATURES), "b": jnp.zeros(())}
+  tx = optax_accum.accumulate(optax.adam(0.1), every_k=3)
+  state = State.create(apply_fn=None, params=params, tx=tx)
+  x, y = _data(4 * 3, seed=5)
+  mask = jnp.asarray([1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 0], jnp.float32)  # 4, 1, 3 real rows
+
+  def masked(params, x, y, m):  # the mean over the micro-batch's real rows
+    return jnp.sum(m * (x @ params["w"] + params["b"] - y) ** 2) / jnp.sum(m)
+
+  @jax.jit
+  def step(state, x, y, m):
+    grads = jax.grad(masked)(state.params, x, y, m)
+    return state.apply_gradients(grads=grads, weight=jnp.sum(m))
+
+  for i in range(3):
+    rows = slice(4 * i, 4 * i + 4)
+    state = step(state, x[rows], y[rows], mask[rows])
+  large = optax.adam(0.1)
+  updates, _ = large.update(jax.grad(masked)(params, x, y, mask), large.init(params))
+  _close(state.params, optax.apply_updates(params, updates))
+  assert int(state.step) == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Item 15: Flax's DynamicScale (loss scaling) and accumulation compose.
+
+
+class DSState(train_state.TrainState):
+  dynamic_scale: dynamic_scale_lib.DynamicScale
+
+
+def _ds_step(revert):
+  """Flax's mixed-precision step (the ImageNet example's), with (`revert`) or without its
+  ``jnp.where(is_fin, new, old)`` of the optimizer state and parameters."""
+
+  @jax.jit
+  def step(state, x, y):
+    grad_fn = state.dynamic_scale.value_and_grad(_linear_loss)
+    ds, is_fin, _, grads = grad_fn(state.params, x, y)
+    new = state.apply_gradients(grads=grads)
+    if revert:  # Flax's revert: right without accumulation, wrong with it
+      keep = lambda a, b: jnp.where(is_fin, a, b)  # noqa: E731
+      new = new.replace(
+        opt_state=jax.tree.map(keep, new.opt_state, state.opt_state),
+        params=jax.tree.map(keep, new.params, state.params),
+      )
+    return new.replace(dynamic_scale=ds)
+
+  return step
+
+
+def test_item15_dynamic_scale_nan_microbatch_dropped_and_counted_once():
+  params = {"w": jnp.linspace(-1.0, 1.0, FEATURES), "b": jnp.zeros(())}
+  tx = optax_accum.accumulate(optax.adam(0.1), every_k=K)  # skip_nonfinite=True: the default
+  x, y = _data(K * 3, seed=6)
+  x = x.at[6].set(jnp.inf)  # micro-batch 2 (rows 6..8) overflows: its gradient is NaN
+  micro = [(x[3 * i : 3 * i + 3], y[3 * i : 3 * i + 3]) for i in range(K)]
+  results = {}
+  for revert in (False, True):
+    state = DSState.create(
+      apply_fn=None, params=params, tx=tx, dynamic_scale=dynamic_scale_lib.DynamicScale()
+    )
+    for xi, yi in micro:
+      state = _ds_step(revert)(state, xi, yi)
+    results[revert] = state
+  state = results[False]  # the recipe: no revert; accumulate drops and counts the micro-batch
+  counts = (state.opt_state.mini_step, state.opt_state.gradient_step, state.opt_state.num_skipped)
+  assert tuple(int(c) for c in counts) == (0, 1, 1)  # the window closed on time, one skipped
+  assert float(state.dynamic_scale.scale) == 65536.0 * 0.5  # the scale backed off once
+  finite = [m for i, m in enumerate(micro) if i != 2]
+  rows = tuple(jnp.concatenate(v) for v in zip(*finite, strict=True))
+  _close(state.params, _adam_windows(params, [rows]))  # the large batch without micro-batch 2
+  # Flax's revert undoes the micro-step itself: the window closes a call late, nothing counted.
+  bad = results[True].opt_state
+  assert (int(bad.mini_step), int(bad.gradient_step), int(bad.num_skipped)) == (3, 0, 0)
