@@ -226,6 +226,15 @@ def microbatch(
   that `state_out` selects (e.g. ``lambda out: out[0][1]``) come out as the final state whatever
   `reduction` says for them.
 
+  Flax NNX objects (an ``nnx.Module``, ``nnx.Rngs`` or other ``nnx.Pytree``, passed as an
+  argument of its own, positional or keyword) need no `state_argnums`: they are split once as
+  ``nnx.scan`` splits them, their parameters (``nnx.Param``) read by every micro-batch and the
+  rest of their state (BatchNorm statistics, the Rngs counters) threaded through the
+  micro-batches in order, and the final state is written back into the objects after the loop
+  (so each micro-batch draws its own dropout mask, and the caller's Rngs advance as ``k``
+  sequential calls would advance them). An NNX object inside a container, or named as a batch
+  argument, raises; so does a `fun` that changes the objects' structure.
+
   A padded batch (the last, partly empty batch of an epoch at the usual shape): pass
   `num_real_microbatches` ``n`` and only the first ``n`` micro-batches run — the loop stops
   after them. "mean" and "sum" cover the real micro-batches only, "last" and the state come

@@ -462,3 +462,40 @@ def test_item15_dynamic_scale_nan_microbatch_dropped_and_counted_once():
   # Flax's revert undoes the micro-step itself: the window closes a call late, nothing counted.
   bad = results[True].opt_state
   assert (int(bad.mini_step), int(bad.gradient_step), int(bad.num_skipped)) == (3, 0, 0)
+
+
+def test_item12_nnx_batchnorm_dropout_through_every_front_end():
+  """microbatch (the model passed in), accumulate in nnx.Optimizer and TrainStep (split by
+  hand) end one window with the same parameters, statistics and counters."""
+  x, y = _data(4 * K, seed=7)
+  numbers = lambda m: nnx.state(m, nnx.Not(nnx.RngKey))  # noqa: E731
+  make = lambda: BNDrop(nnx.Rngs(0, dropout=1), rate=0.3)  # noqa: E731
+
+  mb_model = make()
+  mb_opt = nnx.Optimizer(mb_model, optax.sgd(0.1), wrt=nnx.Param)
+  grad_fn = optax_accum.microbatch(nnx.value_and_grad(_loss), K, batch_argnums=(1, 2))
+  mb_opt.update(mb_model, grad_fn(mb_model, x, y)[1])
+
+  acc_model = make()
+  acc_opt = nnx.Optimizer(
+    acc_model, optax_accum.accumulate(optax.sgd(0.1), every_k=K), wrt=nnx.Param
+  )
+  for i in range(K):
+    acc_opt.update(acc_model, nnx.grad(_loss)(acc_model, *_strided((x, y), i)))
+
+  ts_model = make()
+  graphdef, params, rest = nnx.split(ts_model, nnx.Param, ...)
+
+  def ts_loss(params, rest, x, y):
+    model = nnx.merge(graphdef, params, rest, copy=True)
+    return _loss(model, x, y), nnx.split(model, nnx.Param, ...)[2]
+
+  ts = optax_accum.TrainStep(ts_loss, optax.sgd(0.1), every_k=K, has_aux=True)
+  state = ts.init(params)
+  for i in range(K):
+    params, state, (_, rest) = ts(params, state, rest, *_strided((x, y), i))
+  nnx.update(ts_model, params, rest)
+
+  _close(numbers(acc_model), numbers(mb_model), rtol=1e-5, atol=1e-6)
+  _close(numbers(ts_model), numbers(mb_model), rtol=1e-5, atol=1e-6)
+  assert int(mb_model.drop.rngs.count[...]) == K
