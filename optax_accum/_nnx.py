@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from optax_accum import _batch, _scan
+from optax_accum import _batch, _checks, _scan
 
 NESTED = (
   "microbatch: {where} holds an NNX object ({kind}) inside a container. NNX objects change in "
@@ -68,8 +68,6 @@ def find(pos: _batch.Positions, args: tuple, kwargs: dict) -> list[int | str]:
   Raises for an NNX object inside a container (its state could not be written back) or named as
   a batch argument.
   """
-  if _nnx() is None:
-    return []
   found = []
   batch = pos.axis_of()
   for key, x in [*enumerate(args), *kwargs.items()]:
@@ -89,12 +87,17 @@ def find(pos: _batch.Positions, args: tuple, kwargs: dict) -> list[int | str]:
 def call(run: Callable[[Any, tuple, dict], Any], opts: _scan.Options, args: tuple, kwargs: dict):
   """`run(opts, args, kwargs)` (the transformed call), with every NNX argument split, its state
   threaded through the micro-batches, and the final state written back into it."""
+  nnx = _nnx()
+  if nnx is None:  # the program never imported flax.nnx: no argument can be an NNX object
+    return run(opts, args, kwargs)
   pos = _batch.resolve(opts.positions, len(args), kwargs)
   keys = find(pos, args, kwargs)
   if not keys:
     return run(opts, args, kwargs)
-  nnx = _nnx()
   nodes = tuple(kwargs[j] if isinstance(j, str) else args[j] for j in keys)
+  if _checks.private_fun(opts.fun) and jax.tree.leaves(nnx.state(nodes, nnx.BatchStat)):
+    # The privacy contract's row for a threaded state (an Rngs counter alone is harmless).
+    _checks.refuse_private("state_argnums", "microbatch (an NNX model's BatchStat, threaded)")
   graphdef, params, rest = nnx.split(nodes, nnx.Param, ...)
   a = [None if j in keys else x for j, x in enumerate(args)]
   kw = {n: x for n, x in kwargs.items() if n not in keys}

@@ -499,3 +499,15 @@ def test_item12_nnx_batchnorm_dropout_through_every_front_end():
   _close(numbers(acc_model), numbers(mb_model), rtol=1e-5, atol=1e-6)
   _close(numbers(ts_model), numbers(mb_model), rtol=1e-5, atol=1e-6)
   assert int(mb_model.drop.rngs.count[...]) == K
+
+
+def test_item12_nnx_batchnorm_in_a_private_function_is_refused():
+  def private_loss(model, x, y):
+    return _loss(model, x, y)
+
+  private_loss.__dp_private__ = True  # held to the privacy contract, as clipped_grad is
+  x, y = _data()
+  fun = optax_accum.microbatch(private_loss, K, batch_argnums=(1, 2), reduction="sum")
+  with pytest.raises(ValueError, match=r"BatchStat, threaded\): state_argnums .*GroupNorm"):
+    fun(BNDrop(nnx.Rngs(0, dropout=1)), x, y)
+  fun(Plain(nnx.Rngs(0)), x, y)  # no statistics: nothing threaded from the examples
