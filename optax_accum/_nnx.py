@@ -47,6 +47,14 @@ CHANGED = (
   "from fun instead of sowing them.\n  before: {before}\n  after:  {after}"
 )
 
+PARAM_CHANGED = (
+  "microbatch: fun assigned a new value to an nnx.Param of the NNX objects it was given. "
+  "Inside microbatch every micro-batch reads the same parameters (they are not threaded from "
+  "one micro-batch to the next, and a change would be lost): return the gradients and update "
+  "the parameters after the call (nnx.Optimizer.update), or keep a value that changes per "
+  "micro-batch in a Variable of another type (nnx.BatchStat, nnx.Variable), which is threaded."
+)
+
 
 def _nnx() -> Any:
   """``flax.nnx`` if the program imported it, else None (then no argument is an NNX object)."""
@@ -158,9 +166,12 @@ def _pure(fun: Callable, keys: list, graphdef: Any, p: int, *, write: bool) -> C
     out = fun(*a, **kw)
     if not write:
       return out
-    after, _, new_rest = nnx.split(nodes, nnx.Param, ...)
+    after, new_params, new_rest = nnx.split(nodes, nnx.Param, ...)
     if after != graphdef:
       raise ValueError(CHANGED.format(before=_short(graphdef), after=_short(after)))
+    pairs = zip(jax.tree.leaves(new_params), jax.tree.leaves(params), strict=True)
+    if any(new is not old for new, old in pairs):
+      raise ValueError(PARAM_CHANGED)
     return out, new_rest
 
   pure.nnx_pure = True  # its output is (fun's output, state): `microbatch` names fun's paths

@@ -184,6 +184,13 @@ def test_item12_nnx_errors_name_the_fix():
   with pytest.raises(ValueError, match="changed the structure of the NNX objects"):
     optax_accum.microbatch(sows, K)(model, x)
 
+  def assigns(m, x):
+    m.fc2.bias[...] = m.fc2.bias[...] + 1.0  # a Param changed inside fun: it would be lost
+    return jnp.mean(m(x))
+
+  with pytest.raises(ValueError, match=r"assigned a new value to an nnx.Param.*nnx.BatchStat"):
+    optax_accum.microbatch(assigns, K)(model, x)
+
 
 # ---------------------------------------------------------------------------------------------
 # Item 19 (Flax parts): the default "mean" of per-example rows says `reduction`; the batch hint
