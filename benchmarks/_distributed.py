@@ -77,7 +77,7 @@ def cross_programs(model, params, batch, mesh, k: int):
       local = jax.lax.pcast(params, "d", to="varying")
       grads = jax.grad(model.loss)(local, batch)
       updates, state = tx.update(grads, state, params, emit=emit)
-      return _lead((updates, state.acc_grads, state.acc_weight))
+      return _lead((updates, state.grad_sum, state.acc_weight))
 
     return f
 
@@ -88,7 +88,7 @@ def cross_programs(model, params, batch, mesh, k: int):
       state = tx.init(params)._replace(mini_step=mini_step)
       grads = jax.grad(model.loss)(params, batch)  # replicated params: psum on every call
       updates, state = tx.update(grads, state, params, emit=emit)
-      return _lead((updates, state.acc_grads))
+      return _lead((updates, state.grad_sum))
 
     return f
 

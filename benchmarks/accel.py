@@ -143,7 +143,7 @@ def microstep(cfg: dict, log=print) -> list[dict[str, Any]]:
     memory[name] = {
       "argument_bytes": analysis.argument_size_in_bytes,
       "temp_bytes": analysis.temp_size_in_bytes,
-      "accumulator_bytes": _harness.tree_bytes(state.acc_grads),
+      "accumulator_bytes": _harness.tree_bytes(state.grad_sum),
     }
     live[name] = (p, state)
     steps[name] = step

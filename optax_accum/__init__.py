@@ -7,7 +7,7 @@ public subpackage :mod:`optax_accum.privacy`.
 # The public subpackage, as optax keeps its families (optax.contrib, optax.losses): it imports
 # the core's modules, never the reverse.
 from optax_accum import privacy as privacy
-from optax_accum._accumulate import AccumulateState, accumulate, has_updated
+from optax_accum._accumulate import AccumulateState, accumulate, has_updated, window_mean_grad
 from optax_accum._audit import AuditReport, audit
 from optax_accum._data_parallel import data_parallel
 from optax_accum._gain import GainState, progress, scale_by_gain
@@ -39,6 +39,7 @@ __all__ = [
   "progress",
   "scale_by_gain",
   "state_partition_specs",
+  "window_mean_grad",
 ]
 
 __version__ = "0.1.0"

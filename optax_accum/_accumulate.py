@@ -49,15 +49,55 @@ class AccumulateState(NamedTuple):
   # the window that opens next, as decided when the last one closed (a configuration other than
   # the one that made the state decides it again: `window_length`).
   window_k: jax.Array
-  # Σ wᵢ gᵢ of the open window, in accum_dtype; None when every_k == 1. Stale when
-  # mini_step == 0 (the closed window's sums or the updates it returned; the next micro-step
-  # ignores it and writes over it).
-  acc_grads: Any
+  # Σ wᵢ gᵢ of the open window (a weighted *sum*, not optax.MultiSteps' running mean), in
+  # accum_dtype. Stale when mini_step == 0 (the closed window's sums or the updates it returned;
+  # the next micro-step ignores it and writes over it): read it with `window_mean_grad`.
+  # every_k == 1: the same tree, one boolean scalar False per leaf (`NO_SUMS`), no buffer.
+  grad_sum: Any
   acc_weight: jax.Array  # shape=(), dtype=jnp.float32: Σ wᵢ of the open window (same rule)
   num_skipped: jax.Array  # shape=(), dtype=jnp.int32: non-finite micro-batches dropped so far
   inner_state: Any  # the inner optimizer's state, untouched between updates
   updated: jax.Array  # shape=(), dtype=jnp.bool_: the call that made this state updated
   noise: Any = None  # the noise-scale statistics (`_noise.NoiseState`), None without them
+
+  def __getattr__(self, name: str) -> Any:
+    # Only for names that are not fields: optax.MultiStepsState's get the replacement.
+    if name in MULTISTEPS_FIELDS:
+      raise AttributeError(
+        f"AccumulateState has no field {name!r} (optax.MultiStepsState's); "
+        f"{MULTISTEPS_FIELDS[name]} (see the migration guide)."
+      )
+    raise AttributeError(f"'AccumulateState' object has no attribute {name!r}")
+
+
+# optax.MultiStepsState's fields that `AccumulateState` names otherwise, and what replaces each.
+MULTISTEPS_FIELDS = {
+  "acc_grads": (
+    "it held the running mean of the open window's gradients, zeros after an update. Here "
+    "grad_sum holds the weighted sum Σ wᵢ gᵢ, stale when mini_step == 0: for the window's mean "
+    "gradient use optax_accum.window_mean_grad(state, grads) with the state before update"
+  ),
+  "inner_opt_state": "the inner optimizer's state is inner_state",
+  "skip_state": "num_skipped counts the non-finite micro-batches dropped",
+}
+
+
+def no_sums(axis: Any, tree: Any) -> Any:
+  """`grad_sum` at every_k == 1, where a window is one micro-batch and nothing is kept: the
+  gradients' tree with one boolean scalar False per leaf (per device under an axis, like the
+  sums it stands for). The same tree as an accumulator, so a state's structure does not depend
+  on `every_k`, at a few bytes instead of a parameter-sized buffer; boolean, so that it cannot
+  be mistaken for sums (an accumulator is never boolean)."""
+  return jax.tree.map(lambda _: axis.per_device(jnp.zeros((), jnp.bool_)), tree)
+
+
+def holds_sums(state: AccumulateState) -> bool | None:
+  """Whether ``state.grad_sum`` is an accumulator (every_k > 1), not `no_sums` (every_k == 1);
+  None for a tree without leaves (both are empty)."""
+  leaves = jax.tree.leaves(state.grad_sum)
+  if not leaves:
+    return None
+  return any(jnp.dtype(x.dtype) != jnp.bool_ for x in leaves)
 
 
 def find_state(state: Any, caller: str) -> AccumulateState:
@@ -95,6 +135,73 @@ def has_updated(state: Any) -> jax.Array:
   True
   """
   return find_state(state, "has_updated").updated
+
+
+def window_mean_grad(state: Any, grads: Any, *, weight: Any = None) -> Any:
+  """The mean gradient ``Σ wᵢ gᵢ / Σ wᵢ`` of the open window with `grads` added.
+
+  Call it with the state *before* ``tx.update(grads, state, ..., weight=weight)``: on the call
+  that closes the window, it is the gradient the inner optimizer receives (with the default
+  ``reduction="mean"``; "sum" gives it ``Σ wᵢ gᵢ``, i.e. this times the window's total
+  weight), so ``optax.tree.norm(window_mean_grad(state, grads))`` logged where
+  `has_updated` turns true is the norm of each update's gradient, the large batch's. On the
+  other calls it is the mean of the window so far. What `optax.MultiSteps` users computed
+  from its ``acc_grads``, a running mean, as ``acc + (g - acc) / (mini_step + 1)``.
+
+  A non-finite `grads` (or a zero weight) is left out, as ``skip_nonfinite=True`` (the
+  default) drops it; the mean of a window with no weight is zeros. Under ``jax.jit``, a norm
+  of it is one fused pass over the sums and the gradients (no parameter-sized temporary).
+
+  Args:
+    state: an `AccumulateState`, or a state that contains one (an `optax.chain` state, an
+      `nnx.Optimizer`'s ``opt_state``, a Flax `TrainState`'s ``opt_state``), as it was before
+      this micro-step's update; any ``every_k`` (with every_k=1 the window is `grads` alone).
+    grads: this micro-step's gradients, the tree the optimizer updates.
+    weight: this micro-step's weight, as passed to ``update`` (default 1).
+
+  Returns:
+    A tree like `grads` (in their dtypes): the window's weighted mean gradient.
+
+  Raises:
+    ValueError: if `state` holds no `AccumulateState` or several, if `grads` do not match its
+      accumulator, or if it holds per-device sums (``accumulate(..., axis_name=...)``), whose
+      mean needs the other devices' (inside the map: ``psum`` of ``grad_sum + w·g`` over
+      ``psum`` of ``acc_weight + w``).
+
+  >>> import jax.numpy as jnp, optax, optax_accum
+  >>> tx = optax_accum.accumulate(optax.sgd(1.0), every_k=2)
+  >>> params = jnp.zeros(2)
+  >>> state = tx.init(params)
+  >>> _, state = tx.update(jnp.array([1.0, 1.0]), state, params, weight=1.0)
+  >>> g = jnp.array([4.0, 4.0])
+  >>> optax_accum.window_mean_grad(state, g, weight=3.0)  # (1*1 + 3*4) / (1 + 3)
+  Array([3.25, 3.25], dtype=float32)
+  >>> u, state = tx.update(g, state, params, weight=3.0)
+  >>> u  # sgd(1.0) of that very gradient
+  Array([-3.25, -3.25], dtype=float32)
+  """
+  caller = "window_mean_grad"
+  acc = find_state(state, caller)
+  if jnp.ndim(acc.acc_weight) > jnp.ndim(acc.mini_step):
+    raise ValueError(PER_DEVICE_MEAN)
+  if holds_sums(acc):
+    _check_tree(grads, acc.grad_sum, 0, "state", "the tree the state was initialised with")
+    sums, total = acc.grad_sum, acc.acc_weight
+  else:  # every_k == 1: every window is this micro-batch alone
+    sums, total = _core.zeros(grads, jnp.float32), jnp.zeros((), jnp.float32)
+  weight = _checks.weight(weight, caller)
+  restart = acc.mini_step == 0  # the sums of a window closed last are stale
+  sums, total, _ = _core.add(sums, total, grads, weight, skip_nonfinite=True, restart=restart)
+  return _core.normalise(sums, total, grads, "mean")
+
+
+PER_DEVICE_MEAN = (
+  "window_mean_grad: this state holds per-device sums (accumulate(..., axis_name=...)): each "
+  "device holds a part of the window, and this function reads states without an axis_name "
+  "only. Inside the map, the window's mean is jax.lax.psum of the sums over jax.lax.psum of "
+  "the weights (grad_sum + w * g and acc_weight + w, from zero when mini_step == 0); or log "
+  "the norm of the micro-step's own gradients."
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,15 +315,19 @@ def _check_window(cfg: Config, state: AccumulateState) -> None:
       f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
       "state with the object that updates it: `tx.init(params)` or `step.init(params)`."
     )
-  if (state.acc_grads is None) == cfg.unaccumulated:
+  holds = holds_sums(state)
+  if holds is None or holds != cfg.unaccumulated:
     return
-  if state.acc_grads is None:
+  if not holds:
     made, now = "every_k=1 (it holds no accumulator)", f"every_k={cfg.every_k}"
   else:
     made, now = "every_k > 1 (it holds an accumulator)", "every_k=1"
   raise ValueError(
     f"accumulate.update: this state was made with {made} but is updated with {now}. Make the "
-    "state with the object that updates it: `tx.init(params)` or `step.init(params)`."
+    "state with the object that updates it: `tx.init(params)` or `step.init(params)`. To "
+    "change every_k between runs at a window boundary (mini_step == 0), carry the rest over "
+    "into that new state: new._replace(inner_state=old.inner_state, "
+    "gradient_step=old.gradient_step, num_skipped=old.num_skipped)."
   )
 
 
@@ -329,12 +440,12 @@ def check_update(
   cfg.axis.check_bound(caller)
   _check_per_device(cfg, state, caller)
   _check_window(cfg, state)
-  if state.acc_grads is not None:
+  if holds_sums(state):
     described = "the tree the state was initialised with"
-    _check_tree(grads, state.acc_grads, int(cfg.axis.stacks), "state", described)
+    _check_tree(grads, state.grad_sum, int(cfg.axis.stacks), "state", described)
   elif params is not None:
     _check_tree(grads, _gradient_like(params), 0, "params", "the tree of the parameters")
-  _check_dtypes(cfg, grads, state.acc_grads, params)
+  _check_dtypes(cfg, grads, state.grad_sum if holds_sums(state) else None, params)
   if weight is not None and is_private(state):
     _checks.refuse_private("weight", caller)
   weight = _checks.weight(weight, caller)
@@ -459,7 +570,7 @@ def add(
   else:
     # The accumulator is reset lazily: a window's first micro-step ignores what the state holds
     # (the sums of the window closed last), so the emitting step never rewrites it.
-    sums = cfg.axis.this_device(state.acc_grads)
+    sums = cfg.axis.this_device(state.grad_sum)
     total = cfg.axis.this_device(state.acc_weight)
     restart = state.mini_step == 0
   return _core.add(
@@ -772,7 +883,7 @@ def advance(
     mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
     gradient_step=gradient_step,
     window_k=next_length(cfg, k, noise, emitting, gradient_step),
-    acc_grads=None if cfg.unaccumulated else axis.per_device(sums),
+    grad_sum=no_sums(axis, sums) if cfg.unaccumulated else axis.per_device(sums),
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total),
     num_skipped=axis.per_device(skipped),
     inner_state=closed.inner_state,
@@ -797,7 +908,7 @@ def close_from_state(
   noise = state.noise
   if noise is not None:
     noise = _with_partials(noise, axis.this_device(_noise.partials(noise)))
-  sums, total = axis.this_device(state.acc_grads), axis.this_device(state.acc_weight)
+  sums, total = axis.this_device(state.grad_sum), axis.this_device(state.acc_weight)
   window = Window(sums, total, state.inner_state, params, {}, noise)
   closed = close_window(cfg, like, APPLY, True, window)  # an accumulated window can be empty
   new_params, sums = closed.out
@@ -817,7 +928,7 @@ def _gradient_like(params: Any) -> Any:
 
 
 GAIN_WITHOUT_NOISE = (
-  "accumulate.init: the inner optimizer holds optax_accum.scale_by_gain, which reads the "
+  "{caller}: the inner optimizer holds optax_accum.scale_by_gain, which reads the "
   "gradient noise statistics of each window, but noise_scale=False keeps none. Build it with "
   "noise_scale=True: accumulate(inner, every_k, noise_scale=True) or TrainStep(..., "
   "noise_scale=True) (every_k=FollowNoiseScale(...) implies it)."
@@ -828,24 +939,27 @@ def init(cfg: Config, params: Any) -> AccumulateState:
   """The initial state: an empty window (no accumulator when every_k == 1)."""
   axis = cfg.axis
   try:
-    axis.check_bound("accumulate.init")
+    axis.check_bound(f"{cfg.front}.init")
   except ValueError as e:  # the usual case: Flax's TrainState.create, outside any map
+    if cfg.front != "accumulate":
+      raise
     raise ValueError(f"{e}\n\n" + OUTSIDE_MAP_RECIPE.format(axis=axis.name)) from None
-  acc = None
-  if not cfg.unaccumulated:
+  if cfg.unaccumulated:
+    acc = no_sums(axis, _gradient_like(params))
+  else:
     exact = cfg.rounding is not None
     acc = axis.per_device(_core.zeros(_gradient_like(params), cfg.accum_dtype, exact=exact))
   inner_state = _inner_init(cfg, params)
   if _checks.holds_private_state(inner_state):
     check_private(cfg, f"{cfg.front}.init", params, inner_state)
   if _gain.holds_gain(inner_state) and not cfg.noise:
-    raise ValueError(GAIN_WITHOUT_NOISE)
+    raise ValueError(GAIN_WITHOUT_NOISE.format(caller=f"{cfg.front}.init"))
   # Distinct arrays: a donating step (TrainStep) cannot donate one buffer twice.
   return AccumulateState(
     mini_step=jnp.zeros((), jnp.int32),
     gradient_step=jnp.zeros((), jnp.int32),
     window_k=_first_length(cfg.every_k),
-    acc_grads=acc,
+    grad_sum=acc,
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32)),
     num_skipped=axis.per_device(jnp.zeros((), jnp.int32)),
     inner_state=inner_state,
@@ -859,7 +973,7 @@ def _inner_init(cfg: Config, params: Any) -> Any:
   (`_collectives.check_init_variance`)."""
   inner_state = cfg.inner.init(params)
   _collectives.check_init_variance(
-    inner_state, _gradient_like(params), cfg.axis.axes, "accumulate.init"
+    inner_state, _gradient_like(params), cfg.axis.axes, f"{cfg.front}.init"
   )
   return inner_state
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from optax_accum import _hlo
-from optax_accum._accumulate import AccumulateState, accumulate
+from optax_accum._accumulate import AccumulateState, accumulate, holds_sums
 from optax_accum._microbatch import microbatch
 from optax_accum._train_step import TrainStep
 
@@ -183,8 +183,15 @@ def run_accumulate(s: Setup) -> Run:
   windows = None
   if s.optimizer is not None:
     windows, _ = _drive(s, _make_tx(s, tap(s.optimizer)), s.num_updates)
-  acc = state.acc_grads if isinstance(state, AccumulateState) else None
+  acc = _accumulator(state)
   return Run(window.updates, windows, acc)
+
+
+def _accumulator(state: Any) -> Any:
+  """The state's accumulator, or None where it keeps none (every_k == 1) or is not ours."""
+  if not isinstance(state, AccumulateState) or not holds_sums(state):
+    return None
+  return state.grad_sum
 
 
 def train_step(s: Setup, inner: optax.GradientTransformation) -> TrainStep:
@@ -210,7 +217,7 @@ def run_train_step(s: Setup) -> Run:
   windows = None
   if s.optimizer is not None:
     windows, _ = _windows(s, train_step(s, s.optimizer), s.num_updates)
-  return Run(window.updates, windows, state.acc_grads)
+  return Run(window.updates, windows, _accumulator(state))
 
 
 def _groups(rest: str) -> list[list[int]] | None:

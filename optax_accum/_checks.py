@@ -100,6 +100,27 @@ def flag(value: Any, name: str, caller: str) -> Any:
   return value
 
 
+def host_bool(value: Any, name: str, caller: str) -> bool:
+  """A flag the host decides on (TrainStep's `force_emit`): a Python, NumPy or concrete JAX
+  boolean scalar, as a Python bool; anything else (an int, an array of another dtype or shape,
+  a traced value) raises a TypeError naming `name`, what it got and what it needs."""
+  if isinstance(value, bool | np.bool_):
+    return bool(value)
+  dtype, shape = getattr(value, "dtype", None), getattr(value, "shape", None)
+  if isinstance(value, np.ndarray | jax.Array) and dtype == np.bool_ and shape == ():
+    if not isinstance(value, jax.core.Tracer):
+      return bool(value)
+    raise TypeError(
+      f"{caller}: {name} must be known on the host (it picks which compiled program runs), got "
+      "a traced value: call the step outside jax.jit, or pass a Python bool."
+    )
+  got = f"{type(value).__name__} {value!r}" if dtype is None else f"{dtype}{list(shape)} array"
+  raise TypeError(
+    f"{caller}: {name} must be a bool (Python, NumPy or a JAX boolean scalar), got {got}. "
+    f"Write {name}=True to close the window now, or {name}=bool(x)."
+  )
+
+
 def weight(value: Any, caller: str, name: str = "weight") -> jax.Array | None:
   """Validates a micro-batch weight: a real scalar; where concrete, non-negative and finite.
 
@@ -242,6 +263,12 @@ PRIVATE_REFUSED: dict[str, str] = {
     "the sensitivity the noise is scaled to no longer bounds it. Use accum_dtype=jnp.float32 "
     "(the default)."
   ),
+  "rdp_replace_one": (
+    "{caller}: neighboring_relation='replace_one' with accountant='rdp': dp-accounting's RDP "
+    "accountant has no analysis of Poisson-sampled Gaussian updates under replace-one "
+    "adjacency (it refuses the event), so no ε could be printed for it. Use accountant='pld' "
+    "(privacy loss distributions analyse it), or neighboring_relation='add_or_remove_one'."
+  ),
   "state_argnums": (
     "{caller}: state_argnums " + _WHY + " threads a state computed from the examples (e.g. "
     "BatchNorm statistics) from one micro-batch into the next: an example then reaches the "
@@ -290,6 +317,20 @@ def private_reduction(fun: Any) -> Any:
     if reduction is not None and not callable(reduction):
       return reduction
   return "sum"
+
+
+def private_mask_argnum(fun: Any) -> int | None:
+  """Where a private function takes its padding mask (``mask_argnum`` of `privacy.clipped_grad`
+  or `privacy.clipped_loss`, found through its wrappers; a `functools.partial`'s bound
+  positional arguments shift it), or None."""
+  shift = 0
+  for f in _unwrapped(fun):
+    n = getattr(f, "mask_argnum", None)
+    if isinstance(n, int) and not isinstance(n, bool) and _declares_private(f):
+      return n - shift if n >= shift else None
+    if isinstance(f, functools.partial):
+      shift += len(f.args)
+  return None
 
 
 def _private_node(x: Any) -> bool:

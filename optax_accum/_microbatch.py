@@ -74,6 +74,18 @@ class _DefaultReduction(str):
 
 DEFAULT_MEAN = _DefaultReduction("mean")
 
+LAYOUT_MISMATCH = (
+  "microbatch: {lost} of the batch's {real} real rows (argument {at}, the mask, nonzero) sit "
+  "in micro-batches that never run: num_real_microbatches={n} of {k} with split={split!r} runs "
+  "micro-batches 0 to {last} only, so their clipped gradients would be left out of the sum "
+  "silently (and the accountant assumes every sampled example is used). The rows were laid "
+  "out for another split{guess}: a privacy.PoissonSampler(..., split=...) lays out its batch "
+  "for microbatch(..., split=...) of the same value. Give both the same split= (both default "
+  "to 'strided'): PoissonSampler(..., split={split!r}) for this microbatch, or "
+  "microbatch(..., split={other!r}) for a batch from PoissonSampler(..., split={other!r}). "
+  "Under jax.jit (a traced mask or count) the same mismatch makes the summed outputs NaN."
+)
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (factory time).
@@ -537,12 +549,60 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   _batch.check_keys(args, pos.rngs)
   if opts.axis.mode == "mapped" and opts.split == "contiguous" and opts.num_real is not None:
     raise ValueError(CONTIGUOUS_IN_MAP.format(axis=opts.axis.name))
+  misplaced = _misplaced_rows(opts, pos, args, trips)
   operands = _operands(args, kwargs, pos, opts)
   state0 = tuple(jax.tree.map(jnp.asarray, args[j]) for j in pos.states)
   plan = _plan(opts, pos, operands, state0, size)
   if record is not None:
     record(plan)
-  return _scan.run(opts, pos, plan, state0, operands, trips)
+  return _poison(opts, plan, _scan.run(opts, pos, plan, state0, operands, trips), misplaced)
+
+
+def _row_microbatch(size: int, k: int, split: Split) -> np.ndarray:
+  """The micro-batch each row of a batch of `size` rows falls in (`_batch.split_batch`)."""
+  rows = np.arange(size)
+  return rows % k if split == "strided" else rows // (size // k)
+
+
+def _misplaced_rows(opts: _scan.Options, pos, args: tuple, trips: Any) -> jax.Array | None:
+  """A private function's real rows (its mask's nonzero entries) that `num_real_microbatches`
+  leaves out: a batch laid out for the other split (item 11 of issue 34). Raises where the mask
+  and the count are host values; otherwise returns a traced "any misplaced" flag (None where
+  there is nothing to check) with which `_poison` makes the summed outputs NaN."""
+  at = _checks.private_mask_argnum(opts.fun) if opts.num_real is not None else None
+  axis = pos.axis_of().get(at) if at is not None and at < len(args) else None
+  if axis is None or jnp.ndim(args[at]) != 1:
+    return None  # no mask, or not a batch argument (clipped_grad's own check says so)
+  mask, k = args[at], opts.k
+  where = _row_microbatch(jnp.shape(mask)[0], k, opts.split)
+  if isinstance(mask, jax.core.Tracer) or not isinstance(trips, int):
+    return jnp.any((jnp.asarray(mask) != 0) & (jnp.asarray(where) >= trips))
+  real = np.asarray(mask) != 0
+  lost = int(np.sum(real & (where >= trips)))
+  if lost:
+    other = "contiguous" if opts.split == "strided" else "strided"
+    fits = np.all(_row_microbatch(real.size, k, other)[real] < trips)
+    raise ValueError(
+      LAYOUT_MISMATCH.format(
+        lost=lost, real=int(real.sum()), at=at, n=trips, k=k, split=opts.split, last=trips - 1,
+        other=other, guess=f" (split={other!r}: there they all fit)" if fits else "",
+      )
+    )  # fmt: skip
+  return None
+
+
+def _poison(opts: _scan.Options, plan: _outputs.Plan, out: Any, bad: jax.Array | None) -> Any:
+  """The "sum" and "mean" outputs NaN where `bad` (a traced flag) holds: never a finite wrong
+  number (as a traced invalid weight)."""
+  if bad is None:
+    return out
+  main, info = out if opts.return_info else (out, None)
+  leaves = plan.tree.flatten_up_to(main)
+  for n in plan.where("sum", "mean"):
+    if jnp.issubdtype(jnp.result_type(leaves[n]), jnp.inexact):
+      leaves[n] = jnp.where(bad, jnp.asarray(jnp.nan, leaves[n].dtype), leaves[n])
+  main = jax.tree.unflatten(plan.tree, leaves)
+  return (main, info) if opts.return_info else main
 
 
 # ----------------------------------------------------------------------------------------------

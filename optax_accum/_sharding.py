@@ -1,7 +1,7 @@
 """`state_partition_specs`: where every leaf of an optimizer state lives across devices.
 
 With ``axis_name`` set, `accumulate` keeps per-device partial sums: inside the mapped function
-each device's ``acc_grads`` leaves, ``acc_weight`` and ``num_skipped`` carry a leading axis of
+each device's ``grad_sum`` leaves, ``acc_weight`` and ``num_skipped`` carry a leading axis of
 length 1, so that outside the map they are stacked ``(num_devices, ...)`` arrays sharded over
 the axis. Everything else (step counters, the inner optimizer's state) is the same on every
 device. `state_partition_specs` writes this down for any optimizer state that holds an
@@ -21,7 +21,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optax_accum import _collectives
-from optax_accum._accumulate import AccumulateState
+from optax_accum._accumulate import AccumulateState, holds_sums
 from optax_accum._typing import AxisName
 
 
@@ -74,7 +74,7 @@ def _own_specs(state: AccumulateState, dev: Any, rep: Any, acc: Any, inner: Any)
     mini_step=rep,
     gradient_step=rep,
     window_k=rep,
-    acc_grads=acc,
+    grad_sum=acc,
     acc_weight=dev,
     num_skipped=dev,
     inner_state=inner,
@@ -92,7 +92,7 @@ def per_device_specs(x: Any, entry: Any) -> AccumulateState | None:
   if not is_per_device(x):
     return None
   rep, dev = PartitionSpec(), PartitionSpec(entry)
-  split = jax.tree.map(lambda _: dev, x.acc_grads)
+  split = jax.tree.map(lambda _: dev, x.grad_sum)
   return _own_specs(x, dev, rep, split, jax.tree.map(lambda _: rep, x.inner_state))
 
 
@@ -187,12 +187,12 @@ def state_partition_specs(
   >>> from jax.sharding import PartitionSpec as P
   >>> tx = optax_accum.accumulate(optax.adam(1e-3), every_k=4, axis_name="data")
   >>> specs = optax_accum.state_partition_specs(tx, {"w": P(None, "model")}, "data")
-  >>> specs.acc_grads, specs.acc_weight, specs.mini_step
+  >>> specs.grad_sum, specs.acc_weight, specs.mini_step
   ({'w': P('data', None, 'model')}, P('data',), P())
   >>> specs.inner_state[0].mu
   {'w': P(None, 'model')}
   >>> fsdp = optax_accum.state_partition_specs(tx, {"w": P("data")}, "data")  # FSDP: gathered
-  >>> fsdp.acc_grads, fsdp.inner_state[0].mu
+  >>> fsdp.grad_sum, fsdp.inner_state[0].mu
   ({'w': P('data', None)}, {'w': P('data',)})
   """
   axes = _collectives.resolve(axis_name).axes
@@ -208,14 +208,14 @@ def state_partition_specs(
   params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.result_type(p)), params)
   template = _abstract_state(tx, params, axes)
   by_path = _by_path(*_gradient_tree(specs, params))
-  if stand_ins:
-    _check_shapes_known(template, by_path)
+  if stand_ins:  # every_k == 1's placeholder sums (scalars) follow no parameter's shape
+    _check_shapes_known(jax.tree.map(_without_placeholders, template, is_leaf=_is_state), by_path)
 
   def out(spec: PartitionSpec):
     return spec if mesh is None else NamedSharding(mesh, spec)
 
   def leaf(path, x):
-    return out(_leaf_spec(by_path, path, x))
+    return out(_leaf_spec(by_path, path, x, any_rank=stand_ins))
 
   def node(path, x):
     if not isinstance(x, AccumulateState):
@@ -225,19 +225,23 @@ def state_partition_specs(
       raise ValueError(_NEEDS_AXIS)
     rep = out(PartitionSpec())
     dev = out(PartitionSpec(stack_axis)) if per_device else rep
-    acc = x.acc_grads
-    if acc is not None:
-      stacked = functools.partial(_stacked, axes=axes, gathered=gathered is not False)
-      acc = jax.tree.map_with_path(
-        lambda p, a: out(
-          stacked(p, _leaf_spec(by_path, p, a, 1)) if per_device else _leaf_spec(by_path, p, a)
-        ),
-        acc,
-      )
+    stacked = functools.partial(_stacked, axes=axes, gathered=gathered is not False)
+    acc = jax.tree.map_with_path(
+      lambda p, a: out(
+        stacked(p, _leaf_spec(by_path, p, a, 1)) if per_device else _leaf_spec(by_path, p, a)
+      ),
+      x.grad_sum,
+    )
     inner = jax.tree.map_with_path(lambda p, y: node(path + p, y), x.inner_state, is_leaf=_is_state)
     return _own_specs(x, dev, rep, acc, inner)
 
   return jax.tree.map_with_path(node, template, is_leaf=_is_state)
+
+
+def _without_placeholders(x: Any) -> Any:
+  if isinstance(x, AccumulateState) and holds_sums(x) is False:
+    return x._replace(grad_sum=None)
+  return x
 
 
 def _is_state(x) -> bool:
@@ -320,14 +324,21 @@ def _by_path(specs: Any, params: Any) -> dict:
   return {tuple(path): (p.shape, s) for (path, s), p in zip(spec_leaves, shapes, strict=True)}
 
 
-def _leaf_spec(by_path: dict, path: tuple, x: Any, skip: int = 0) -> PartitionSpec:
+def _leaf_spec(
+  by_path: dict, path: tuple, x: Any, skip: int = 0, any_rank: bool = False
+) -> PartitionSpec:
   """The spec of a state leaf: its parameter's, if its path ends in that parameter's path
   (the longest such) and it has that parameter's shape (after `skip` stacking axes);
-  otherwise replicated."""
+  otherwise replicated. `any_rank` (the shapes are stand-ins'): a parameter's spec that shards
+  nothing is written ``P()``, which fits a leaf of any rank (the real leaf's rank is unknown:
+  adafactor's factored ``v`` of a matrix is a vector), where ``P(None, None)`` fits rank 2 only
+  and `jax.device_put` rejects it for a vector (issue 34, item 22)."""
   path = tuple(path)
   for i in range(len(path) + 1):
     found = by_path.get(path[i:])
     if found is not None:
       shape, spec = found
+      if any_rank and all(part is None for part in spec):
+        return PartitionSpec()
       return spec if tuple(x.shape[skip:]) == tuple(shape) else PartitionSpec()
   return PartitionSpec()

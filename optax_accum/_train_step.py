@@ -508,9 +508,8 @@ class TrainStep:
     weight: Any = None,
     force_emit: bool = False,
   ):
-    """One micro-step; `force_emit=True` (a Python bool) closes a short last window."""
-    if not isinstance(force_emit, bool):
-      raise TypeError(f"TrainStep: force_emit must be a Python bool, got {force_emit!r}.")
+    """One micro-step; `force_emit=True` (a host boolean scalar) closes a short last window."""
+    force_emit = _checks.host_bool(force_emit, "force_emit", "TrainStep")
     if weight is not None and self._weight_fn is not None:
       raise TypeError("TrainStep: pass weight= or give weight_fn, not both.")
     if weight is not None and (self._private or _checks.holds_private_state(state)):

@@ -88,7 +88,7 @@ def resume(path, out, variant="adam"):
   state = restored["opt_state"]
   if not isinstance(state, optax_accum.AccumulateState):
     raise TypeError(f"restored optimizer state is a {type(state).__name__}")
-  mini_step, acc_w = int(state.mini_step), np.asarray(state.acc_grads["w0"])
+  mini_step, acc_w = int(state.mini_step), np.asarray(state.grad_sum["w0"])
   params, state = run(tx, restored["params"], state, batches[save_at:])
   extra = {}
   if variant == "gain":

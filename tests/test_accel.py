@@ -67,7 +67,7 @@ def test_train_step_fsdp_accumulator_sharded_like_the_parameters_from_init(layou
     step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 2)
     state = step.init(sharded)
     for when in ("init", "after"):
-      for n, acc in state.acc_grads.items():
+      for n, acc in state.grad_sum.items():
         assert acc.sharding.is_equivalent_to(NamedSharding(mesh, specs[n]), acc.ndim), (when, n)
         assert _shard_bytes(acc) * D == acc.nbytes, (when, n)  # 1/8 per device
         mu = state.inner_state[0].mu[n]
@@ -181,7 +181,7 @@ def test_bf16_stochastic_rounding_accumulator_takes_2_bytes_per_parameter():
   for name, kw in (("f32", {}), ("bf16", BF16_SR)):
     step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, **kw)
     state = step.init(params)
-    assert {a.dtype for a in jax.tree.leaves(state.acc_grads)} == {
+    assert {a.dtype for a in jax.tree.leaves(state.grad_sum)} == {
       jnp.dtype(jnp.bfloat16 if kw else jnp.float32)
     }
     arguments[name] = step.lower(params, state, x).compile().memory_analysis()
@@ -253,7 +253,7 @@ def test_window_check_accumulating_program_reads_each_gradient_once():
     users[skip] = {g.name: _users(body, g.name) for g in grads}
     if skip == "window":
       acc = {i.name: re.match(r"(\d+)\)", i.rest).group(1)
-             for i in body if i.op == "parameter" and "acc_grads" in i.name}  # fmt: skip
+             for i in body if i.op == "parameter" and "grad_sum" in i.name}  # fmt: skip
       for g, (user,) in users[skip].items():  # one user: the add into the accumulator
         read = [a for a in acc if re.search(rf"%{re.escape(a)}[,)\s]", user.rest)]
         assert len(read) == 1, (g, user)

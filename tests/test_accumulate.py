@@ -305,7 +305,7 @@ def test_accumulate_empty_window_does_not_step(empty):
   assert int(state.num_skipped) == (k if empty == "nonfinite" else 0)
   chex.assert_trees_all_equal(params, P0, strict=True)
   chex.assert_trees_all_equal(state.inner_state, state0.inner_state, strict=True)
-  chex.assert_tree_all_finite(state.acc_grads)  # whatever the reset strategy, no NaN is kept
+  chex.assert_tree_all_finite(state.grad_sum)  # whatever the reset strategy, no NaN is kept
 
   # The next window is the inner optimizer's first step, as if the empty one never happened.
   for mb in micro(BIG[1:2], k):
@@ -436,7 +436,9 @@ def test_accumulate_every_k_1_is_inner(name):
   chex.assert_trees_all_equal(updates, want_updates, strict=True)
   chex.assert_trees_all_equal_dtypes(updates, want_updates)  # strict reads bf16 as f32
   chex.assert_trees_all_equal(state.inner_state, want_inner, strict=True)
-  assert state.acc_grads is None
+  # The same tree as an accumulator, one boolean scalar per leaf: no buffer (issue 34, item 13).
+  assert jax.tree.structure(state.grad_sum) == jax.tree.structure(P0)
+  assert all(a.shape == () and a.dtype == jnp.bool_ for a in jax.tree.leaves(state.grad_sum))
   assert bool(has_updated(state)) and int(state.gradient_step) == 1
   # Over a run the inner update sits behind a lax.cond (to drop non-finite / zero-weight
   # gradients), which XLA does not fuse with the gradient computation: last-bit rounding only.
@@ -481,7 +483,7 @@ def test_accumulate_updates_have_inner_types(param_dtype, grad_dtype):
     chex.assert_trees_all_equal_shapes_and_dtypes(state, state0)
     chex.assert_trees_all_equal_shapes_and_dtypes(new_params, params)
     params = new_params
-  assert jax.tree.map(lambda a: a.dtype, state.acc_grads) == jax.tree.map(lambda _: F32, P0)
+  assert jax.tree.map(lambda a: a.dtype, state.grad_sum) == jax.tree.map(lambda _: F32, P0)
   assert int(state.gradient_step) == 2
 
 
@@ -525,7 +527,7 @@ def test_accumulate_none_leaves_and_empty_subtrees():
   }
   tx = accumulate(ADAM, 2)
   state = tx.init(params)
-  assert jax.tree.structure(state.acc_grads) == jax.tree.structure(params)
+  assert jax.tree.structure(state.grad_sum) == jax.tree.structure(params)
   want, _ = ref.run_steps(ADAM, params, sparse_loss, BIG, scan=True)
   for mode in ("jit", "scan"):
     got, state = ref.run_steps(tx, params, sparse_loss, micro(BIG, 2), scan=mode == "scan")
@@ -610,9 +612,9 @@ def test_accumulate_accum_dtype_none():
   want, _ = large_batch_reference("adam")
   chex.assert_trees_all_close(got, want, **ref.TOL)
   bf16 = jax.tree.map(lambda p: p.astype(BF16), P0)
-  assert all(a.dtype == BF16 for a in jax.tree.leaves(tx.init(bf16).acc_grads))
+  assert all(a.dtype == BF16 for a in jax.tree.leaves(tx.init(bf16).grad_sum))
   default = accumulated(ADAM, 2)  # float32 accumulator by default
-  assert all(a.dtype == F32 for a in jax.tree.leaves(default.init(bf16).acc_grads))
+  assert all(a.dtype == F32 for a in jax.tree.leaves(default.init(bf16).grad_sum))
 
 
 GRAD_FN = jax.jit(jax.grad(ref.mlp_loss))

@@ -147,7 +147,7 @@ def test_4_complex_gradients_keep_their_imaginary_part(dtype):
     updates, state = _window(
       optax_accum.accumulate(SGD, 3), grads, [1.0, 2.0, 0.5], _tree(9, dtype)
     )
-    assert jax.tree.leaves(state.acc_grads)[0].dtype == dtype
+    assert jax.tree.leaves(state.grad_sum)[0].dtype == dtype
     want = jax.tree.map(np.negative, _weighted_mean(grads, [1.0, 2.0, 0.5]))
     chex.assert_trees_all_close(updates, want, rtol=1e-6, atol=1e-6)
 
@@ -191,7 +191,7 @@ def test_6_accum_dtype_none_never_narrows_a_wider_gradient():
     tx.update(_tree(1), tx.init(params), params)
   # Same dtypes: fine, and accumulated in the gradients' (= parameters') dtype.
   _, state = tx.update(params, tx.init(params), params)
-  assert jax.tree.leaves(state.acc_grads)[0].dtype == jnp.bfloat16
+  assert jax.tree.leaves(state.grad_sum)[0].dtype == jnp.bfloat16
 
 
 def test_7_integer_mean_outputs_are_weighted_exactly():
@@ -212,7 +212,7 @@ def test_8_float64_gradients_accumulate_in_float64_and_large_values_are_finite()
     grads[1]["b"][0] = 1e300  # finite in float64: kept
     tx = optax_accum.accumulate(optax.sgd(1.0), 3)  # default accum_dtype=float32
     updates, state = _window(tx, grads, [1.0, 1.0, 1.0], _tree(9, np.float64))
-    assert jax.tree.leaves(state.acc_grads)[0].dtype == np.float64
+    assert jax.tree.leaves(state.grad_sum)[0].dtype == np.float64
     assert int(state.num_skipped) == 0
     want = jax.tree.map(lambda *g: -np.mean(g, axis=0), *grads)
     chex.assert_trees_all_close(updates, want, rtol=1e-12)

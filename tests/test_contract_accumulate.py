@@ -91,7 +91,7 @@ def test_state_partition_specs_bug3_factored_leaves_are_replicated():
   factored = specs.inner_state[0]  # adafactor's FactoredState, a chain's first entry
   v_row, v_col, v = factored.v_row, factored.v_col, factored.v
   assert (v_row, v_col, v) == (P(), P(), P())  # (128,), (256,), and v a (1,) dummy
-  assert specs.acc_grads == P(None, "model")
+  assert specs.grad_sum == P(None, "model")
   placed = jax.device_put(state, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                                               is_leaf=_is_spec))  # fmt: skip
   chex.assert_trees_all_equal(placed, state)
@@ -105,7 +105,7 @@ def test_state_partition_specs_bug3_per_device_state_under_data_parallel(name):
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=_is_spec)
     state = jax.jit(optax_accum.data_parallel(tx.init, AX), out_shardings=shardings)(SPEC_PARAMS)
   assert jax.tree.structure(specs, is_leaf=_is_spec) == jax.tree.structure(state)
-  assert state.acc_grads["w"].shape == (8, *SPEC_PARAMS["w"].shape)
+  assert state.grad_sum["w"].shape == (8, *SPEC_PARAMS["w"].shape)
   assert state.acc_weight.sharding.spec == P(AX)
 
 
@@ -291,7 +291,7 @@ def test_accum_dtype_none_means_the_parameters_dtypes_in_accumulate_and_train_st
   step = optax_accum.TrainStep(lambda p, x: x * p["a"].sum() + p["b"].sum(), optax.sgd(1.0), 2,
                                accum_dtype=None)  # fmt: skip
   for state in (tx.init(params), step.init(params)):
-    chex.assert_trees_all_equal_dtypes(state.acc_grads, params)
+    chex.assert_trees_all_equal_dtypes(state.grad_sum, params)
   # A wider gradient than its accumulator raises in both, rather than being narrowed.
   wide = {"a": np.ones(3, np.float32), "b": np.ones(3, np.float32)}
   with pytest.raises(TypeError, match=r"(?s)accum_dtype=None .*\['a'\]: gradient float32, "

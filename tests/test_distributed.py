@@ -81,8 +81,8 @@ def test_accumulate_data_parallel_matches_large_batch(k, weighted, name):
   assert int(state.gradient_step) == 2
   assert int(state.mini_step) == 0
   if k > 1:  # per-device partial sums, stacked over the data axis
-    assert state.acc_grads["w0"].shape == (D, F, 2)
-    assert state.acc_grads["w0"].sharding.spec == P(AX, None, None)
+    assert state.grad_sum["w0"].shape == (D, F, 2)
+    assert state.grad_sum["w0"].sharding.spec == P(AX, None, None)
     assert state.acc_weight.shape == (D,) and state.acc_weight.sharding.spec == P(AX)
 
 
@@ -124,7 +124,7 @@ def test_accumulate_over_two_mesh_axes():
   k = 2
   tx = optax_accum.accumulate(ref.MOMENTUM, k, axis_name=axes)
   sspecs = state_partition_specs(tx, jax.tree.map(lambda _: P(), P0), axes)
-  assert sspecs.acc_grads["w0"] == P(axes)
+  assert sspecs.grad_sum["w0"] == P(axes)
   mbs = micro_batches(k, "random")
   mesh = ref.mesh((2, 4), axes)
   got, _ = ref.train_data_parallel(tx, P0, mbs, mesh, axes, weight_fn=ref.token_count)
@@ -248,7 +248,7 @@ def test_state_partition_specs_for_a_chain():
   )
   specs = state_partition_specs(tx, {"w": P(None, "model"), "b": P()}, AX)
   acc = specs[1]
-  assert acc.acc_grads == {"w": P(AX, None, "model"), "b": P(AX)}
+  assert acc.grad_sum == {"w": P(AX, None, "model"), "b": P(AX)}
   assert (acc.acc_weight, acc.num_skipped, acc.mini_step) == (P(AX), P(AX), P())
   assert acc.inner_state.inner_state[0].mu == {"w": P(None, "model"), "b": P()}
   assert acc.inner_state.hyperparams["learning_rate"] == P()
@@ -295,7 +295,7 @@ def test_accumulate_gspmd_accumulators_keep_parameter_shardings(axis_type):
   for _ in range(4):  # crosses a window boundary
     params, state = step(params, state, x)
   for name, s in shardings.items():
-    for leaf in (state.acc_grads[name], state.inner_state[0].mu[name], params[name]):
+    for leaf in (state.grad_sum[name], state.inner_state[0].mu[name], params[name]):
       assert leaf.sharding.is_equivalent_to(s, leaf.ndim), (name, leaf.sharding)
 
 

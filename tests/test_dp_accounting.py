@@ -124,3 +124,87 @@ def test_dp_noise_multiplier_rejects_out_of_range_arguments(kwargs, match):
   args = dict(target_epsilon=1.0, num_updates=10, sampling_rate=0.1, delta=1e-5) | kwargs
   with pytest.raises(ValueError, match=rf"dp_noise_multiplier: {match}"):
     oa.privacy.dp_noise_multiplier(**args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 34, item 19: replace-one adjacency.
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+  """ε of the Gaussian mechanism whose neighbouring outputs are `mu` standard deviations apart,
+  from the exact privacy profile (Balle & Wang 2018, Theorem 8), in float64:
+  δ(ε) = Φ(μ/2 − ε/μ) − e^ε Φ(−μ/2 − ε/μ), solved for ε by bisection (δ falls with ε)."""
+  from scipy.stats import norm  # noqa: PLC0415
+
+  def profile(eps):
+    return norm.cdf(mu / 2 - eps / mu) - np.exp(eps) * norm.cdf(-mu / 2 - eps / mu)
+
+  lo, hi = 0.0, 100.0
+  for _ in range(200):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if profile(mid) > delta else (lo, mid)
+  return hi
+
+
+@pytest.mark.parametrize("steps, sigma", [(1, 2.0), (4, 3.0)])
+def test_item19_replace_one_epsilon_matches_dp_accounting_and_the_gaussian_formula(steps, sigma):
+  """Replace-one: dp_noise draws σ·C, one example replaced moves the clipped sum by up to 2C
+  (`sensitivity("replace_one")`), so the outputs are 2/σ standard deviations apart per update,
+  2·√steps/σ over `steps` full-batch (q = 1) updates. `dp_epsilon` with the same σ gives
+  dp-accounting's PLD ε for REPLACE_ONE exactly, and that is the exact Gaussian ε of μ =
+  2·√steps/σ from the float64 formula, from above (PLD's pessimistic discretisation: within
+  0.5%); and it is not add-or-remove's ε (μ = √steps/σ), which it exceeds."""
+  delta = 1e-5
+  ours = oa.privacy.dp_epsilon(
+    steps, 1.0, sigma, delta, accountant="pld", neighboring_relation="replace_one"
+  )
+  acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
+  event = dp_accounting.PoissonSampledDpEvent(1.0, dp_accounting.GaussianDpEvent(sigma))
+  acc.compose(dp_accounting.SelfComposedDpEvent(event, steps))
+  assert ours == acc.get_epsilon(delta)
+  exact = _gaussian_epsilon(2 * np.sqrt(steps) / sigma, delta)
+  assert exact <= ours <= exact * 1.005, (ours, exact)
+  add_remove = oa.privacy.dp_epsilon(steps, 1.0, sigma, delta, accountant="pld")
+  assert add_remove < 0.7 * ours
+  assert _gaussian_epsilon(np.sqrt(steps) / sigma, delta) <= add_remove
+  # The relation as dp_accounting's enum; replace-special is add-or-remove's ε.
+  relation = dp_accounting.NeighboringRelation.REPLACE_ONE
+  assert oa.privacy.dp_epsilon(
+    steps, 1.0, sigma, delta, accountant="pld", neighboring_relation=relation
+  ) == ours  # fmt: skip
+  assert oa.privacy.dp_epsilon(
+    steps, 0.1, sigma, delta, neighboring_relation="replace_special"
+  ) == oa.privacy.dp_epsilon(steps, 0.1, sigma, delta)  # fmt: skip
+
+
+def test_item19_replace_one_poisson_epsilon_equals_dp_accounting():
+  """With Poisson sampling (q < 1): dp-accounting's PLD under REPLACE_ONE, called directly."""
+  ours = oa.privacy.dp_epsilon(
+    50, 0.05, 1.5, 1e-5, accountant="pld", neighboring_relation="replace_one"
+  )
+  acc = dp_accounting.pld.PLDAccountant(dp_accounting.NeighboringRelation.REPLACE_ONE)
+  event = dp_accounting.PoissonSampledDpEvent(0.05, dp_accounting.GaussianDpEvent(1.5))
+  acc.compose(dp_accounting.SelfComposedDpEvent(event, 50))
+  assert ours == acc.get_epsilon(1e-5)
+  assert ours > oa.privacy.dp_epsilon(50, 0.05, 1.5, 1e-5, accountant="pld")
+
+
+@pytest.mark.slow
+def test_item19_replace_one_noise_multiplier_round_trip():
+  """σ for a target ε under replace-one (PLD): its ε is at most the target and close to it, and
+  it is at most twice add-or-remove's σ (the outputs are 2C apart rather than C)."""
+  kw = {"accountant": "pld", "neighboring_relation": "replace_one"}
+  sigma = oa.privacy.dp_noise_multiplier(3.0, 1, 1.0, 1e-5, **kw)
+  assert 2.9 <= oa.privacy.dp_epsilon(1, 1.0, sigma, 1e-5, **kw) <= 3.0
+  add_remove = oa.privacy.dp_noise_multiplier(3.0, 1, 1.0, 1e-5, accountant="pld")
+  assert add_remove < sigma <= 2.0 * add_remove * 1.001
+
+
+@pytest.mark.parametrize("fn", ["dp_epsilon", "dp_noise_multiplier"])
+def test_item19_replace_one_refuses_rdp_and_unknown_relations(fn):
+  call = getattr(oa.privacy, fn)
+  args = (10, 0.1, 1.0, 1e-5) if fn == "dp_epsilon" else (1.0, 10, 0.1, 1e-5)
+  with pytest.raises(ValueError, match=rf"{fn}: neighboring_relation='replace_one' with "):
+    call(*args, neighboring_relation="replace_one")
+  with pytest.raises(ValueError, match=rf"{fn}: neighboring_relation must be one of "):
+    call(*args, neighboring_relation="swap_one")

@@ -253,3 +253,88 @@ def test_clipped_grad_non_finite_entries_still_count_zero():
   want = x[1].astype(np.float64) / np.linalg.norm(x[1].astype(np.float64))
   np.testing.assert_allclose(flat, want, rtol=2e-6, atol=1e-7)
   assert float(stats.num_examples) == 3
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 34, item 19: has_aux / return_values and rescale_to_unit_norm.
+
+
+def _example_values(params, batch):
+  """Each example's loss and prediction, float64, one example at a time (NumPy)."""
+  p = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  x, y = np.asarray(batch["x"], np.float64), np.asarray(batch["y"], np.float64)
+  out = np.tanh(x @ p["w0"] + p["b0"]) @ p["w1"] + p["b1"]
+  return np.sum((out - y) ** 2, axis=-1), out
+
+
+def _loss_with_aux(params, batch):
+  out = ref.mlp_apply(params, batch["x"])
+  return jnp.mean(jnp.sum((out - batch["y"]) ** 2, axis=-1)), {"out": out}
+
+
+@pytest.mark.parametrize("split", ["strided", "contiguous"])
+def test_item19_has_aux_returns_per_example_values_and_aux_from_one_pass(problem, split):
+  """has_aux and return_values: each example's loss value and aux (0 for padding) against the
+  float64 loop, in batch order through microbatch's "concat" (its own reduction); the clipped
+  sum is unchanged (the float64 per-example reference); and the loss is traced as often as
+  without them: the values come from the forward pass the gradient runs, not a second one."""
+  params, batch, clip = problem
+  traces = []
+
+  def counted(p, b):
+    traces.append(1)
+    return _loss_with_aux(p, b)
+
+  mask = np.arange(N) % 5 != 2
+  plain = oa.privacy.clipped_grad(lambda p, b: counted(p, b)[0], clip, mask_argnum=2)
+  cg = oa.privacy.clipped_grad(counted, clip, mask_argnum=2, has_aux=True, return_values=True)
+  step = oa.microbatch(cg, 4, batch_argnums=(1, 2), split=split)
+  grads, aux = step(params, batch, mask)
+  values, out = _example_values(params, batch)
+  np.testing.assert_allclose(aux.values, np.where(mask, values, 0), rtol=2e-6, atol=1e-7)
+  assert aux.aux["out"].shape == (N, 2)  # each example's (1, 2) output: one row each
+  want = np.where(mask[:, None], out, 0)
+  np.testing.assert_allclose(aux.aux["out"], want, rtol=2e-6, atol=1e-6)
+  assert aux.stats is None
+  assert_close(grads, reference_sum(params, batch, clip, mask))
+  traces.clear()
+  jax.eval_shape(plain, params, batch, mask)
+  without = len(traces)
+  traces.clear()
+  jax.eval_shape(cg, params, batch, mask)
+  assert len(traces) == without == 1
+  # return_stats alongside: the ClipAux holds it; alone it keeps its (grads, ClipStats) form.
+  both = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_values=True, return_stats=True)
+  _, extra = both(params, batch)
+  assert float(extra.stats.num_examples) == N and extra.aux is None
+  stats_only = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True)
+  assert isinstance(stats_only(params, batch)[1], oa.privacy.ClipStats)
+
+
+def test_item19_rescale_to_unit_norm_divides_by_c_and_the_noise_follows(problem):
+  """rescale_to_unit_norm: the sum is Σ clip_C(gᵢ)/C (the float64 reference ÷ C), its bound and
+  sensitivity 1 (2 under replace-one); dp_noise given the function draws σ·1, so the noised
+  update times C is the unscaled run's with the same key and σ: the same mechanism (and ε)
+  with the learning rate ÷ C. The same through clipped_loss."""
+  params, batch, clip = problem
+  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm=True)
+  want = jax.tree.map(lambda v: v / clip, reference_sum(params, batch, clip))
+  assert_close(cg(params, batch), want)
+  rescaled_loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, rescale_to_unit_norm=True)
+  assert_close(jax.grad(rescaled_loss)(params, batch), want)
+  assert cg.l2_norm_bound == 1.0 and cg.sensitivity() == 1.0
+  assert cg.sensitivity("replace_one") == 2.0 and cg.l2_clip == clip
+  plain = oa.privacy.clipped_grad(ref.mlp_loss, clip)
+  key, sigma = jax.random.key(19_019), 0.7
+  noised = []
+  for fn in (cg, plain):
+    tx = oa.privacy.dp_noise(sigma, fn, 32.0, key, allow_key_reuse=True)
+    noised.append(tx.update(fn(params, batch), tx.init(params))[0])
+  assert_close(jax.tree.map(lambda u: u * clip, noised[0]), noised[1], rtol=1e-5)
+  # A number is the bound itself: 1.0 for the rescaled sum draws the same noise.
+  tx = oa.privacy.dp_noise(sigma, 1.0, 32.0, key, allow_key_reuse=True)
+  assert_close(tx.update(cg(params, batch), tx.init(params))[0], noised[0], rtol=1e-6)
+  with pytest.raises(TypeError, match=r"dp_noise: l2_clip must be a number \(the clip norm C\)"):
+    oa.privacy.dp_noise(sigma, ref.mlp_loss, 32.0, jax.random.key(19_020))
+  with pytest.raises(TypeError, match=r"clipped_grad: rescale_to_unit_norm must be a bool"):
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm="yes")

@@ -63,13 +63,14 @@ def mask(neighbour: bool, real: int = REAL) -> np.ndarray:
   return m
 
 
-def noise():
-  """σ > 0 with one key for both neighbours (allowed: the same run, rebuilt)."""
-  return oa.privacy.dp_noise(SIGMA, C, B, jax.random.key(7), allow_key_reuse=True)
+def noise(l2_clip=C):
+  """σ > 0 with one key for both neighbours (allowed: the same run, rebuilt); `l2_clip` a
+  number or the clipped function whose bound the noise follows."""
+  return oa.privacy.dp_noise(SIGMA, l2_clip, B, jax.random.key(7), allow_key_reuse=True)
 
 
-def inner(*middle):
-  return optax.chain(noise(), *middle, optax.sgd(1.0))
+def inner(*middle, l2_clip=C):
+  return optax.chain(noise(l2_clip), *middle, optax.sgd(1.0))
 
 
 def micro_rows(steps: int = STEPS):
@@ -117,15 +118,15 @@ def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None):
   return _once(window)
 
 
-def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS):
+def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS, l2_clip=C):
   """One TrainStep for both neighbours (its programs compile once); so it does not donate: a
   donated state would take dp_noise's own key buffer with it (`init` reuses it)."""
   kw = {"reduction": "sum", "donate": False, **(step_kw or {})}
   fresh = kw["donate"]  # a donating step: one per neighbour
-  step = None if fresh else oa.TrainStep(loss_fn, inner(), every_k=k, **kw)
+  step = None if fresh else oa.TrainStep(loss_fn, inner(l2_clip=l2_clip), every_k=k, **kw)
 
   def window(m):
-    s = oa.TrainStep(loss_fn, inner(), every_k=k, **kw) if fresh else step
+    s = oa.TrainStep(loss_fn, inner(l2_clip=l2_clip), every_k=k, **kw) if fresh else step
     state, p = s.init(P0), jax.tree.map(jnp.array, P0)
     for i, rows in enumerate(micro_rows()):
       p, state, _ = s(p, state, X[rows], Y[rows], m[rows], **(call_kw(i) if call_kw else {}))
@@ -134,9 +135,9 @@ def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS)
   return _once(window)
 
 
-def released(grads):
+def released(grads, l2_clip=C):
   """dp_noise's update of a clipped sum: the private release of `microbatch`'s output."""
-  tx = noise()
+  tx = noise(l2_clip)
   return tx.update(grads, tx.init(grads))[0]
 
 
@@ -397,6 +398,83 @@ def _sized_contiguous_run():
   return jax.jit(lambda m: released(step(P0, X, Y, m)))
 
 
+def nan_grad_loss(p, x, y):
+  """`loss` plus a term whose gradient (w.r.t. b) is NaN where x[:, 0] < 0 (about half the
+  rows): those examples' clipped gradients count 0; the added example (x0 = 30) is finite."""
+  return loss(p, x, y) + jnp.sum(jnp.sqrt(x[:, 0]) * p["b"])
+
+
+def _window_skip_runs():
+  """skip_nonfinite="window" on a private path, with examples whose gradients are NaN: the
+  window's clipped sums are finite, so it is never dropped (`_once`: one noisy update)."""
+  clipped = oa.privacy.clipped_loss(nan_grad_loss, C, batch_argnums=(1, 2), mask_argnum=3)
+  skip = {"skip_nonfinite": "window"}
+  acc = accumulate_run(tx_kw=skip, grads=jax.grad(clipped))
+  step = train_step_run(loss_fn=clipped, step_kw=skip)
+  return acc, step
+
+
+def _rescaled(front: str) -> float:
+  """rescale_to_unit_norm with C_r = 0.25 and dp_noise given the function: the update moves by
+  at most 1/B (the bound 1), reached by the added example: ‖Δ‖·B/1 (`ratio` divides by C = 1)."""
+  c_r = 0.25
+  if front == "TrainStep":
+    fn = oa.privacy.clipped_loss(
+      loss, c_r, batch_argnums=(1, 2), mask_argnum=3, rescale_to_unit_norm=True
+    )
+    return ratio(train_step_run(loss_fn=fn, l2_clip=fn))
+  fn = oa.privacy.clipped_grad(
+    loss, c_r, batch_argnums=(1, 2), mask_argnum=3, rescale_to_unit_norm=True
+  )
+  step = oa.microbatch(fn, STEPS, batch_argnums=(1, 2, 3))
+  return ratio(jax.jit(lambda m: released(step(P0, X, Y, m), fn)))
+
+
+def _aux_values():
+  """has_aux and return_values: the clipped sum released as before, the per-example values
+  and aux beside it (monitoring), one row per example."""
+
+  def aux_loss(p, x, y):
+    r = x @ p["w"] + p["b"] - y
+    return jnp.sum(0.5 * r**2), r
+
+  fn = oa.privacy.clipped_grad(
+    aux_loss, C, batch_argnums=(1, 2), mask_argnum=3, has_aux=True, return_values=True
+  )
+  step = oa.microbatch(fn, STEPS, batch_argnums=(1, 2, 3))
+  _, extra = step(P0, X, Y, mask(True))
+  assert extra.values.shape == (N,) and extra.aux.shape == (N,)
+  return ratio(jax.jit(lambda m: released(step(P0, X, Y, m)[0])))
+
+
+def _layout_mismatch():
+  """A contiguous layout (D' spills into micro-batch 1) under the strided split: the real rows
+  of contiguous micro-batch 1 sit in strided micro-batches 1 and 2 — raises with host values,
+  NaN traced; the agreeing split is `num_real_run`'s, measured."""
+  strided = lambda n: oa.microbatch(  # noqa: E731
+    CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), num_real_microbatches=n
+  )
+  with pytest.raises(ValueError, match="split="):
+    strided(1)(P0, X, Y, mask(False))
+  poisoned = jax.jit(lambda m, n: strided(n)(P0, X, Y, m))(mask(True), jnp.int32(2))
+  assert all(np.all(np.isnan(v)) for v in jax.tree.leaves(poisoned))
+  return ratio(num_real_run())
+
+
+def _replace_one() -> float:
+  """Replace-one neighbours: D' is D with example REAL replaced by one whose clipped gradient
+  points (almost) the other way (x negated): the update moves by up to 2C/B, the relation's
+  sensitivity; measured ‖Δ‖·B/(2C) (the b component keeps the two from being exactly opposite:
+  1 − 1/(2‖x‖²) ≈ 0.9996 of the bound)."""
+  x2 = X.copy()
+  x2[REAL] = -X[REAL]
+  summed = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3))
+  step = jax.jit(lambda x, m: released(summed(P0, x, Y, m)))
+  a, b = (jax.tree.leaves(step(x, mask(True))) for x in (X, x2))
+  diff = [np.float64(u) - np.float64(v) for u, v in zip(a, b, strict=True)]
+  return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * B / (2 * C)
+
+
 SENSITIVITY = {
   "accumulate:inner=chain(dp_noise(...), ...)": plain_accumulate,
   "accumulate:every_k=int": plain_accumulate,
@@ -407,6 +485,13 @@ SENSITIVITY = {
   "accumulate:accum_dtype=float32": lambda: ratio(accumulate_run(tx_kw={"accum_dtype": None})),
   "accumulate:skip_nonfinite=True": plain_accumulate,
   "accumulate:skip_nonfinite=False": lambda: ratio(accumulate_run(tx_kw={"skip_nonfinite": False})),
+  'accumulate:skip_nonfinite="window"': lambda: ratio(_window_skip_runs()[0]),
+  'TrainStep:skip_nonfinite="window"': lambda: ratio(_window_skip_runs()[1]),
+  "TrainStep:loss_fn=clipped_loss(..., rescale_to_unit_norm=True)": lambda: _rescaled("TrainStep"),
+  "microbatch:fun=clipped_grad(..., rescale_to_unit_norm=True)": lambda: _rescaled("microbatch"),
+  "microbatch:fun=clipped_grad(..., has_aux=True, return_values=True)": _aux_values,
+  "microbatch:num_real_microbatches, rows laid out for the other split": _layout_mismatch,
+  'dp_epsilon:neighboring_relation="replace_one"': _replace_one,
   "accumulate:empty window": _empty_window,
   'accumulate:axis_name="data"': shard_map_accumulate,
   "accumulate:update(force_emit=...)": lambda: ratio(
@@ -485,6 +570,9 @@ def _train_step(**kw):
 
 
 REFUSALS = {
+  'dp_epsilon:neighboring_relation="replace_one", accountant="rdp"': lambda: oa.privacy.dp_epsilon(
+    10, 0.1, 1.0, 1e-5, neighboring_relation="replace_one"
+  ),
   "accumulate:inner holding scale_by_gain": lambda: oa.accumulate(
     inner(_gain()), STEPS, reduction="sum"
   ).init(P0),

@@ -306,7 +306,7 @@ def test_accumulate_recipe_reduces_once_per_update_and_matches_large_batch(axis_
   assert int(state.gradient_step) == 2
   assert state.acc_weight.shape == (D,) and state.acc_weight.sharding.spec == P(AX)
   if k > 1:  # per-device sums, stacked over the data axis
-    assert state.acc_grads["w0"].shape == (D, *params["w0"].shape)
+    assert state.grad_sum["w0"].shape == (D, *params["w0"].shape)
   # The device conditional: one all-reduce, in the emitting branch; none in a loop.
   assert count_collectives(texts[None]) == 1
   assert count_collectives(texts[None], where="loop") == 0
@@ -468,7 +468,7 @@ def test_data_by_model_mesh_accumulate_recipe(axis_type):
   assert accumulating.get((AX, "step"), 0) == 0, accumulating
   assert emitting.get((AX, "step"), 0) == 1, emitting
   assert accumulating.get(("model", "step"), 0) >= 1, accumulating  # the model's own sums
-  assert state.acc_grads["w0"].sharding.spec == P(AX, None, "model")
+  assert state.grad_sum["w0"].sharding.spec == P(AX, None, "model")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -573,7 +573,7 @@ def test_fsdp_across_steps_defer_or_reduce_per_micro_step(choice):
     emitting = step.lower(p, state, batches[0], True).compile().as_text()
   want, _ = ref.run_steps(ref.SGD, params, ref.mlp_loss, ref.windows(batches, k))
   chex.assert_trees_all_close(p, want, **ref.TOL)
-  acc = state.acc_grads["w1"]
+  acc = state.grad_sum["w1"]
   if choice == "defer":
     assert acc.shape == (D, *params["w1"].shape) and acc.sharding.spec == P(AX, None)
     assert _per_device_bytes(acc) == params["w1"].nbytes  # full size on every device
@@ -591,11 +591,11 @@ def test_state_partition_specs_fsdp_is_one_decision_regression_issue_24_item_6()
   spec = {"w": P(AX, "model")}
   deferred = optax_accum.accumulate(optax.adam(0.1), 4, axis_name=AX)
   specs = state_partition_specs(deferred, spec, AX)
-  assert specs.acc_grads == {"w": P(AX, None, "model")}
+  assert specs.grad_sum == {"w": P(AX, None, "model")}
   assert specs.inner_state[0].mu == {"w": P(AX, "model")}
   assert state_partition_specs(deferred, spec, AX, gathered=True) == specs  # the same, stated
   per_step = state_partition_specs(optax_accum.accumulate(optax.adam(0.1), 4), spec, None)
-  assert per_step.acc_grads == {"w": P(AX, "model")}
+  assert per_step.grad_sum == {"w": P(AX, "model")}
   with pytest.raises(ValueError, match=r"gathered=False.*leave gathered unset"):
     state_partition_specs(deferred, spec, AX, gathered=False)
 
@@ -695,7 +695,7 @@ def test_train_step_data_parallel_reduces_once_per_window_and_matches_large_batc
     )
     state = step.init(params)
     if k > 1:  # one partial sum per device (every_k=1 keeps none)
-      assert state.acc_grads["w0"].shape == (D, *params["w0"].shape)
+      assert state.grad_sum["w0"].shape == (D, *params["w0"].shape)
     for emit in (False, True) if k > 1 else (True,):
       text = step.lower(params, state, micro[0], emit=emit).compile().as_text()
       assert _array_reductions(text) == {"all": int(emit), "loop": 0}, emit

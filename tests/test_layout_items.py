@@ -236,13 +236,13 @@ def test_state_partition_specs_lookahead_regression_issue_24_item_4(with_params)
   shapes = {"w": jax.ShapeDtypeStruct((4, 8), jnp.float32)}
   kw = {"params": optax.LookaheadParams(shapes, shapes)} if with_params else {}
   got = state_partition_specs(tx, optax.LookaheadParams(specs, specs), AX, **kw)
-  assert got.acc_grads == {"w": P(AX, None, "model")}
+  assert got.grad_sum == {"w": P(AX, None, "model")}
   adam = got.inner_state.fast_state[0]
   assert adam.mu == adam.nu == {"w": P(None, "model")}
   # The fast weights' specs alone (lookahead's init then warns that it got no LookaheadParams).
   if not with_params:
     plain = state_partition_specs(tx, specs, AX)
-    assert plain.acc_grads == got.acc_grads
+    assert plain.grad_sum == got.grad_sum
 
 
 def test_state_partition_specs_factored_without_params_regression_issue_24_item_5():
@@ -254,7 +254,7 @@ def test_state_partition_specs_factored_without_params_regression_issue_24_item_
   specs = state_partition_specs(tx, {"w": P(None, "model")}, AX, params=params)
   factored = specs.inner_state[0]
   assert (factored.v_row, factored.v_col, factored.v) == ({"w": P()}, {"w": P()}, {"w": P()})
-  assert specs.acc_grads == {"w": P(AX, None, "model")}
+  assert specs.grad_sum == {"w": P(AX, None, "model")}
   # Replicated parameters need no shapes: nothing can be mis-sharded.
   rep = state_partition_specs(tx, {"w": P()}, AX)
   assert rep.inner_state[0].v_row == {"w": P()}
@@ -404,8 +404,8 @@ def test_state_partition_specs_matrix_optimizers_fit_the_state(name):
   )
   with jax.set_mesh(mesh):
     state = jax.jit(optax_accum.data_parallel(tx.init, AX), out_shardings=shardings)(params)
-  assert state.acc_grads["w0"].sharding.spec == P(AX, None, "model")
-  assert state.acc_grads["w0"].shape == (4, 4, 8)
+  assert state.grad_sum["w0"].sharding.spec == P(AX, None, "model")
+  assert state.grad_sum["w0"].shape == (4, 4, 8)
   if name == "adafactor":
     with pytest.raises(ValueError, match="params="):
       state_partition_specs(tx, specs, AX)

@@ -32,13 +32,13 @@ def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
   assert worker.SAVE_AT % worker.K != 0  # the checkpoint is taken inside a window
   saved_params, saved_state = worker.save_mid_window(tmp_path / "ckpt")
   assert int(saved_state.mini_step) == worker.SAVE_AT % worker.K
-  assert float(np.abs(saved_state.acc_grads["w0"]).max()) > 0  # the open window's sums
+  assert float(np.abs(saved_state.grad_sum["w0"]).max()) > 0  # the open window's sums
 
   resumed = _resume_in_fresh_process(tmp_path)
 
   # The fresh process saw the window exactly as it was left.
   assert int(resumed.pop("restored_mini_step")) == worker.SAVE_AT % worker.K
-  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.acc_grads["w0"])
+  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.grad_sum["w0"])
 
   params, state = worker.uninterrupted()
   assert int(resumed.pop("gradient_step")) == int(state.gradient_step) == worker.TOTAL // worker.K
@@ -57,7 +57,7 @@ def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_iss
 
   resumed = _resume_in_fresh_process(tmp_path, "gain")
   assert int(resumed.pop("restored_mini_step")) == int(saved_state.mini_step)
-  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.acc_grads["w0"])
+  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.grad_sum["w0"])
 
   params, state = worker.uninterrupted("gain")
   assert int(resumed.pop("gradient_step")) == int(state.gradient_step)
@@ -103,7 +103,7 @@ def test_orbax_sharded_restore_keeps_accumulator_sharding(tmp_path, mesh):
     "b0": NamedSharding(mesh, P("model")),
   }
   state_shardings = optax_accum.state_partition_specs(tx, param_shardings, None)
-  assert state_shardings.acc_grads["w0"] == param_shardings["w0"]
+  assert state_shardings.grad_sum["w0"] == param_shardings["w0"]
 
   params = jax.device_put(params0, param_shardings)
   state = jax.jit(tx.init, out_shardings=state_shardings)(params)
@@ -126,7 +126,7 @@ def test_orbax_sharded_restore_keeps_accumulator_sharding(tmp_path, mesh):
   )
   restored = worker.restore(tmp_path / "ckpt", abstract)
   jax.tree.map(_assert_sharded_as, restored, shardings)
-  assert restored["opt_state"].acc_grads["w0"].sharding.spec == P("data", "model")
+  assert restored["opt_state"].grad_sum["w0"].sharding.spec == P("data", "model")
   chex.assert_trees_all_equal(jax.device_get(restored), saved, strict=True)
 
   # Continue on the mesh: the unsharded uninterrupted run's result (float32: the sharded

@@ -251,10 +251,11 @@ def test_trainstep_closing_program_computes_no_gradient(noise_scale):
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_accumulate_state_holds_one_accumulator_none_for_every_k_1(k):
+def test_accumulate_state_holds_one_accumulator_no_buffer_for_every_k_1(k):
   state = optax_accum.accumulate(ADAM, k).init(PARAMS)
-  if k == 1:
-    assert state.acc_grads is None
+  assert jax.tree.structure(state.grad_sum) == jax.tree.structure(PARAMS)  # the same tree
+  if k == 1:  # one boolean scalar per leaf
+    assert all(a.nbytes == 1 for a in jax.tree.leaves(state.grad_sum))
   adam_bytes = sum(x.nbytes for x in jax.tree.leaves(ADAM.init(PARAMS)))
   accumulator_bytes = 0 if k == 1 else sum(x.nbytes for x in jax.tree.leaves(PARAMS))
   extra = sum(x.nbytes for x in jax.tree.leaves(state)) - adam_bytes - accumulator_bytes

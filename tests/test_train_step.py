@@ -60,7 +60,7 @@ def test_train_step_equals_dynamic_accumulate():
   p2, s2 = ref.run_steps(optax_accum.accumulate(ADAM, k), P0, ref.mlp_loss, mbs)
   assert int(s1.gradient_step) == int(s2.gradient_step) == 2
   assert int(s1.mini_step) == int(s2.mini_step) == 0
-  s1, s2 = s1._replace(acc_grads=None), s2._replace(acc_grads=None)
+  s1, s2 = s1._replace(grad_sum=None), s2._replace(grad_sum=None)
   chex.assert_trees_all_close((p1, s1), (p2, s2), rtol=1e-6, atol=1e-7)
 
 
@@ -93,7 +93,7 @@ def test_train_step_emitting_call_equals_the_fused_emitting_program(noise_scale)
       chex.assert_trees_all_equal((params, state, loss), (fused_params, fused_state, fused_loss))
   assert int(state.gradient_step) == int(proto_state.gradient_step) == 3
   # The protocol leaves its updates in the stale accumulator, TrainStep the window's sums.
-  state, proto_state = state._replace(acc_grads=None), proto_state._replace(acc_grads=None)
+  state, proto_state = state._replace(grad_sum=None), proto_state._replace(grad_sum=None)
   chex.assert_trees_all_close((params, state), (want, proto_state), rtol=1e-6, atol=1e-7)
 
 
@@ -141,5 +141,6 @@ def test_train_step_rejects_non_static_every_k(bad):
 def test_train_step_rejects_traced_force_emit():
   step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=2, donate=False)
   (batch,) = _micro_batches(1, 2)
-  with pytest.raises(TypeError, match="force_emit must be a Python bool"):
-    step(P0, step.init(P0), batch, force_emit=jnp.asarray(True))
+  state = step.init(P0)
+  with pytest.raises(TypeError, match="force_emit must be known on the host"):
+    jax.jit(lambda f: step(P0, state, batch, force_emit=f))(True)

@@ -9,7 +9,13 @@ the privacy contract.
 
 from optax_accum.privacy._accounting import dp_epsilon, dp_noise_multiplier
 from optax_accum.privacy._audit import AuditResult, audit_epsilon, epsilon_lower_bound
-from optax_accum.privacy._clipping import ClippedGrad, ClipStats, clipped_grad, clipped_loss
+from optax_accum.privacy._clipping import (
+  ClipAux,
+  ClippedGrad,
+  ClipStats,
+  clipped_grad,
+  clipped_loss,
+)
 from optax_accum.privacy._contract import CONTRACT, ContractRow, contract_table
 from optax_accum.privacy._noise import DPNoiseState, dp_noise, dp_updates
 from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
@@ -17,6 +23,7 @@ from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
 __all__ = [
   "AuditResult",
   "CONTRACT",
+  "ClipAux",
   "ClipStats",
   "ClippedGrad",
   "ContractRow",

@@ -2,7 +2,14 @@
 
 One event per *update*: ``SelfComposed(PoissonSampled(q, Gaussian(σ)), updates)``. The count
 comes from `dp_updates(state)`, so micro-steps are never counted as steps (the mistake of
-several libraries once accumulation is on). ``dp-accounting`` is the ``dp`` extra
+several libraries once accumulation is on).
+
+Neighbouring relations follow dp-accounting's convention: σ is the noise std over the bound
+``C`` on one example's contribution (what `dp_noise` draws) for every relation; under
+"replace_one" the accountant itself analyses the two outputs shifted by ``±C`` (distance
+``2C``, the clipped sum's sensitivity, `ClippedGrad.sensitivity`), so the same σ is given
+whatever the relation. dp-accounting's RDP accountant has no Poisson-sampled replace-one
+analysis: that combination raises (use the PLD accountant). ``dp-accounting`` is the ``dp`` extra
 (``pip install optax-accum[dp]``); it is imported when an accountant is first asked.
 """
 
@@ -15,6 +22,9 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 import numpy as np
+
+from optax_accum import _checks
+from optax_accum.privacy._clipping import check_relation
 
 Accountant = Literal["rdp", "pld"]
 
@@ -70,11 +80,15 @@ def _check(
   return int(value), q, d
 
 
-def _accountant(dp_accounting: Any, accountant: Any, caller: str) -> Any:
+def _accountant(dp_accounting: Any, accountant: Any, caller: str, relation: str) -> Any:
+  """A fresh accountant of that kind for that relation (a `check_relation` name)."""
+  rel = getattr(dp_accounting.NeighboringRelation, relation.upper())
   if accountant == "rdp":
-    return dp_accounting.rdp.RdpAccountant()
+    if relation == "replace_one":
+      _checks.refuse_private("rdp_replace_one", caller)
+    return dp_accounting.rdp.RdpAccountant(neighboring_relation=rel)
   if accountant == "pld":
-    return dp_accounting.pld.PLDAccountant()
+    return dp_accounting.pld.PLDAccountant(neighboring_relation=rel)
   raise ValueError(f"{caller}: accountant must be 'rdp' or 'pld', got {accountant!r}.")
 
 
@@ -94,11 +108,12 @@ def dp_epsilon(
   delta: float,
   *,
   accountant: Accountant = "rdp",
+  neighboring_relation: Any = "add_or_remove_one",
 ) -> float:
   """ε of DP-SGD after `num_updates` updates with Poisson sampling rate ``q`` and noise σ.
 
-  Add-or-remove-one adjacency, one Poisson-sampled Gaussian event per update. Count updates,
-  not micro-steps: pass `dp_updates(state)`.
+  One Poisson-sampled Gaussian event per update. Count updates, not micro-steps: pass
+  `dp_updates(state)`.
 
   Args:
     num_updates: the number of noisy updates (an int >= 0, or `dp_updates`'s scalar).
@@ -107,13 +122,19 @@ def dp_epsilon(
     delta: δ in (0, 1), e.g. below 1/N.
     accountant: ``"rdp"`` (Rényi DP, fast, slightly loose) or ``"pld"`` (privacy loss
       distributions, tighter, slower).
+    neighboring_relation: "add_or_remove_one" (default), "replace_special" (one example
+      replaced by a zero one: the same ε) or "replace_one" (by any other: ``"pld"`` only),
+      or a ``dp_accounting.NeighboringRelation``. σ means the same in each (the noise std
+      over one example's bound ``C``, as `dp_noise` draws it); the accountant counts
+      replace-one's ``±C`` shift itself, so do not double σ or C for it.
 
   Returns:
     ε, a Python float (0.0 for no updates, inf for σ = 0 with updates).
 
   Raises:
-    TypeError, ValueError: for arguments out of range (naming the argument) or an unknown
-      accountant; ImportError: without ``dp-accounting`` (``pip install optax-accum[dp]``).
+    TypeError, ValueError: for arguments out of range (naming the argument), an unknown
+      accountant or relation, or "replace_one" with ``"rdp"``; ImportError: without
+      ``dp-accounting`` (``pip install optax-accum[dp]``).
 
   >>> import pytest, optax_accum
   >>> _ = pytest.importorskip("dp_accounting")  # the dp extra; without it, a skip
@@ -125,8 +146,9 @@ def dp_epsilon(
   sigma = _number(noise_multiplier, "noise_multiplier", "dp_epsilon")
   if not (np.isfinite(sigma) and sigma >= 0):
     raise ValueError(f"dp_epsilon: noise_multiplier must be >= 0, got {noise_multiplier!r}.")
+  relation = check_relation(neighboring_relation, "dp_epsilon")
   dp_accounting = _dp_accounting("dp_epsilon")
-  acc = _accountant(dp_accounting, accountant, "dp_epsilon")
+  acc = _accountant(dp_accounting, accountant, "dp_epsilon", relation)
   if n == 0:
     return 0.0
   if sigma == 0:
@@ -143,6 +165,7 @@ def dp_noise_multiplier(
   delta: float,
   *,
   accountant: Accountant = "rdp",
+  neighboring_relation: Any = "add_or_remove_one",
 ) -> float:
   """The smallest σ whose `dp_epsilon` after `num_updates` updates is at most `target_epsilon`.
 
@@ -155,9 +178,11 @@ def dp_noise_multiplier(
     sampling_rate: as for `dp_epsilon`.
     delta: as for `dp_epsilon`.
     accountant: as for `dp_epsilon`.
+    neighboring_relation: as for `dp_epsilon`: give `dp_noise` the σ returned, as it is.
 
   Returns:
-    σ, a Python float with ``dp_epsilon(num_updates, q, σ, δ) <= target_epsilon``.
+    σ, a Python float with ``dp_epsilon(num_updates, q, σ, δ) <= target_epsilon`` (with the
+    same accountant and relation).
 
   Raises:
     TypeError, ValueError: for arguments out of range; ImportError: without ``dp-accounting``.
@@ -174,12 +199,13 @@ def dp_noise_multiplier(
     raise ValueError(f"dp_noise_multiplier: target_epsilon must be > 0, got {target_epsilon!r}.")
   if n < 1:
     raise ValueError(f"dp_noise_multiplier: num_updates must be >= 1, got {num_updates!r}.")
+  relation = check_relation(neighboring_relation, "dp_noise_multiplier")
   dp_accounting = _dp_accounting("dp_noise_multiplier")
-  _accountant(dp_accounting, accountant, "dp_noise_multiplier")  # checks the name first
+  _accountant(dp_accounting, accountant, "dp_noise_multiplier", relation)  # checks first
 
-  def calibrate(name: str, bracket: Any) -> float:
+  def calibrate(name: str, rel: str, bracket: Any) -> float:
     return dp_accounting.calibrate_dp_mechanism(
-      lambda: _accountant(dp_accounting, name, "dp_noise_multiplier"),
+      lambda: _accountant(dp_accounting, name, "dp_noise_multiplier", rel),
       lambda s: dp_event(n, q, s),
       eps,
       d,
@@ -187,9 +213,12 @@ def dp_noise_multiplier(
     )
 
   with _quiet():
-    sigma = calibrate("rdp", dp_accounting.LowerEndpointAndGuess(1e-3, 1.0))
+    # RDP's add-or-remove σ first (replace-special has the same ε; RDP cannot do replace-one).
+    sigma = calibrate("rdp", "add_or_remove_one", dp_accounting.LowerEndpointAndGuess(1e-3, 1.0))
     if accountant == "pld":
       # RDP is looser, so its σ bounds PLD's from above; a bracket below it keeps PLD away
-      # from tiny σ, whose privacy loss distributions are huge.
-      sigma = calibrate("pld", dp_accounting.ExplicitBracketInterval(0.25 * sigma, sigma))
+      # from tiny σ, whose privacy loss distributions are huge. Replace-one needs up to twice
+      # add-or-remove's σ (its outputs are 2C apart, not C).
+      top = 2.0 * sigma if relation == "replace_one" else sigma
+      sigma = calibrate("pld", relation, dp_accounting.ExplicitBracketInterval(0.25 * sigma, top))
   return float(sigma)

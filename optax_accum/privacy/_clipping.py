@@ -31,7 +31,22 @@ NO_BATCH = (
   "leading axis is the batch with batch_argnums (default 1, as in `loss(params, batch)`)."
 )
 
-_RELATIONS = {"add_or_remove_one": 1.0, "replace_special": 1.0, "replace_one": 2.0}
+# The L2 sensitivity of a clipped sum per neighbouring relation, as a multiple of the bound on
+# one example's contribution (jax_privacy's `BoundedSensitivityCallable.sensitivity`): replacing
+# one example by any other moves the sum by up to 2C, by a zero one (or adding/removing one) C.
+RELATIONS = {"add_or_remove_one": 1.0, "replace_special": 1.0, "replace_one": 2.0}
+
+
+def check_relation(value: Any, caller: str) -> str:
+  """The neighbouring relation's name: one of `RELATIONS`' keys, given as that string or as a
+  ``dp_accounting.NeighboringRelation`` (its member name, case-insensitive)."""
+  name = getattr(value, "name", value)
+  if not isinstance(name, str) or name.lower() not in RELATIONS:
+    raise ValueError(
+      f"{caller}: neighboring_relation must be one of {sorted(RELATIONS)} (or a "
+      f"dp_accounting.NeighboringRelation), got {value!r}."
+    )
+  return name.lower()
 
 
 class ClipStats(NamedTuple):
@@ -45,6 +60,29 @@ class ClipStats(NamedTuple):
 
 
 STATS_REDUCTION = ClipStats("sum", "sum", "concat")
+
+
+class ClipAux(NamedTuple):
+  """`clipped_grad`'s per-example outputs (``has_aux``, ``return_values``, ``return_stats``):
+  for monitoring, not private. A field that was not asked for is None."""
+
+  # shape=(B,), dtype=jnp.float32: each example's loss value, computed by the forward pass
+  # that the gradient needs (no second pass); 0 for padding
+  values: jax.Array | None
+  # the loss's aux of each example, one row each (B, ...): stacked, an axis 1 of size 1 (the
+  # example's own batch axis) squeezed; rows of padding examples are 0
+  aux: Any
+  stats: ClipStats | None  # as `return_stats` alone returns it
+
+
+class Clipped(NamedTuple):
+  """One batch's clipping (`clipped_sum`): what `clipped_grad` and `clipped_loss` return."""
+
+  value: jax.Array  # Σ of the real examples' loss values, float32
+  sums: list  # Σ clip_C(∇ℓᵢ) per floating parameter array (÷ C when rescaled)
+  stats: ClipStats
+  values: jax.Array  # (B,) float32 per-example values, 0 for padding
+  aux: Any  # per-example aux (B, ...), padding rows 0; None without has_aux
 
 
 def _check_clip(l2_clip: Any, caller: str) -> float:
@@ -267,15 +305,26 @@ def like_params(sums: list, arrays: list) -> list:
   return out
 
 
-def clipped_sum(loss, l2_clip: float, nums, mask_argnum, params, args) -> tuple[Any, Any, Any]:
-  """``(Σ real values, [Σ clip_C(∇ℓᵢ) per array], ClipStats)`` of one batch; `params` a
-  `Params`; `args` are the loss's arguments after the parameters, with the mask (if any)
-  still at `mask_argnum`.
+class Options(NamedTuple):
+  """`clipped_grad`'s and `clipped_loss`'s static options, checked."""
+
+  l2_clip: float
+  nums: tuple[int, ...]  # batch_argnums
+  mask_argnum: int | None
+  has_aux: bool = False  # the loss returns (value, aux)
+  rescale: bool = False  # rescale_to_unit_norm: each clipped gradient ÷ C (bound 1)
+
+
+def clipped_sum(loss, opts: Options, params, args) -> Clipped:
+  """One batch's `Clipped`: Σ real values, [Σ clip_C(∇ℓᵢ) per array], ClipStats, and the
+  per-example values and aux; `params` a `Params`; `args` are the loss's arguments after the
+  parameters, with the mask (if any) still at `opts.mask_argnum`.
 
   Inside `shard_map` the parameters are made device-varying over the batch's axes first, so
   that each example's gradient stays its own (no all-reduce inside the per-example vmap): the
   sums are the device's own (`like_params` reduces them as `jax.grad` would).
   """
+  l2_clip, nums, mask_argnum = opts.l2_clip, opts.nums, opts.mask_argnum
   args = list(args)
   mask = args.pop(mask_argnum - 1) if mask_argnum is not None else None
   size = _batch_size(args, nums)
@@ -294,7 +343,9 @@ def clipped_sum(loss, l2_clip: float, nums, mask_argnum, params, args) -> tuple[
     _check_no_mixing(example_loss, local, one, batch_axes)
 
   in_axes = (None, *[0 if n + 1 in nums else None for n in range(len(args))])
-  values, grads = jax.vmap(jax.value_and_grad(example_loss), in_axes=in_axes)(local, *args)
+  per_example = jax.vmap(jax.value_and_grad(example_loss, has_aux=opts.has_aux), in_axes=in_axes)
+  values, grads = per_example(local, *args)
+  values, aux = values if opts.has_aux else (values, None)
   r, f = _scaled_norms(grads, real, batch_axes, l2_clip)
   # A non-finite gradient would carry an unbounded (NaN) contribution: it counts as 0.
   keep = real & jnp.isfinite(r)
@@ -305,17 +356,35 @@ def clipped_sum(loss, l2_clip: float, nums, mask_argnum, params, args) -> tuple[
     acc = jnp.promote_types(g.dtype, jnp.float32)
     shape = (-1,) + (1,) * (g.ndim - 1)
     g = g.astype(acc)
-    # (g·f)·(1/r) = g/‖g‖, each factor and product in range; then times C.
+    # (g·f)·(1/r) = g/‖g‖, each factor and product in range; then times C (rescaled: times
+    # 1, and an unclipped gradient ÷ C, of norm ≤ 1).
     unit = (g * f.reshape(shape).astype(acc)) * inv_r.reshape(shape).astype(acc)
-    out = jnp.where(clip.reshape(shape), unit * jnp.asarray(l2_clip, acc), g)
+    if opts.rescale:
+      out = jnp.where(clip.reshape(shape), unit, g / jnp.asarray(l2_clip, acc))
+    else:
+      out = jnp.where(clip.reshape(shape), unit * jnp.asarray(l2_clip, acc), g)
     return jnp.sum(jnp.where(keep.reshape(shape), out, 0), axis=0).astype(jnp.result_type(p))
 
   sums = [clipped_total(g, p) for g, p in zip(grads, diff, strict=True)]
   norms = jnp.where(real, r / f, 0.0)
   count = jnp.sum(real, dtype=jnp.float32)
   stats = ClipStats(count, jnp.sum(norms > l2_clip, dtype=jnp.float32), norms)
-  value = jnp.sum(jnp.where(real, jnp.asarray(values, jnp.float32), 0.0))
-  return value, sums, stats
+  values = jnp.where(real, jnp.asarray(values, jnp.float32), 0.0)
+  return Clipped(jnp.sum(values), sums, stats, values, _zero_padding(aux, real))
+
+
+def _zero_padding(aux: Any, real: jax.Array) -> Any:
+  """The per-example aux with the padding examples' rows set to 0 (None stays None), and an
+  axis 1 of size 1 squeezed: an example's ``(1, ...)`` output (its batch axis of size 1) gives
+  ``(B, ...)`` rows, as jax_privacy's ``clipped_grad`` returns them."""
+
+  def zero(x):
+    x = jnp.asarray(x)
+    if x.ndim >= 2 and x.shape[1] == 1:
+      x = x[:, 0]
+    return jnp.where(real.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+  return None if aux is None else jax.tree.map(zero, aux)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,14 +394,30 @@ class ClippedGrad:
   fun: Callable[..., Any]
   l2_clip: float
   return_stats: bool
+  has_aux: bool = False
+  return_values: bool = False
+  rescale_to_unit_norm: bool = False
+  mask_argnum: int | None = None  # where the returned function takes the mask (`microbatch`)
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self.fun(*args, **kwargs)
 
   @property
+  def l2_norm_bound(self) -> float:
+    """The bound on one example's contribution to the sum: ``C``, or 1 with
+    `rescale_to_unit_norm` (each clipped gradient divided by ``C``). `dp_noise` given this
+    function scales its noise to it."""
+    return 1.0 if self.rescale_to_unit_norm else self.l2_clip
+
+  @property
   def reduction(self) -> Any:
-    """The `microbatch` reduction of this function's outputs: ``"sum"`` for the gradient
-    (``("sum", STATS_REDUCTION)`` with `return_stats`: counts summed, norms in batch order)."""
+    """The `microbatch` reduction of this function's outputs: ``"sum"`` for the gradient;
+    with per-example outputs ``("sum", ClipAux("concat", "concat", STATS_REDUCTION))`` (rows
+    in batch order; counts summed), or ``("sum", STATS_REDUCTION)`` with `return_stats` alone."""
+    if self.has_aux or self.return_values:
+      stats = STATS_REDUCTION if self.return_stats else None
+      values = "concat" if self.return_values else None
+      return ("sum", ClipAux(values, "concat" if self.has_aux else None, stats))
     return ("sum", STATS_REDUCTION) if self.return_stats else "sum"
 
   def sensitivity(self, neighboring_relation: Any = "add_or_remove_one") -> float:
@@ -341,7 +426,8 @@ class ClippedGrad:
     Args:
       neighboring_relation: "add_or_remove_one" (one example added or removed: ``C``),
         "replace_special" (one example replaced by a zero one: ``C``) or "replace_one" (one
-        replaced by any other: ``2C``); or a ``dp_accounting.NeighboringRelation``.
+        replaced by any other: ``2C``); or a ``dp_accounting.NeighboringRelation``. ``C`` is
+        `l2_norm_bound` (1 with `rescale_to_unit_norm`).
 
     Returns:
       The sensitivity, a Python float.
@@ -354,14 +440,21 @@ class ClippedGrad:
     >>> privacy.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5).sensitivity("replace_one")
     1.0
     """
-    name = getattr(neighboring_relation, "name", neighboring_relation)
-    factor = _RELATIONS.get(str(name).lower())
-    if factor is None:
-      raise ValueError(
-        f"sensitivity: neighboring_relation must be one of {sorted(_RELATIONS)}, got "
-        f"{neighboring_relation!r}."
-      )
-    return factor * self.l2_clip
+    return RELATIONS[check_relation(neighboring_relation, "sensitivity")] * self.l2_norm_bound
+
+
+def _options(caller: str, loss: Any, l2_clip: Any, batch_argnums, mask_argnum, **flags) -> Options:
+  """The options, checked: the loss callable, C, the argnums and the boolean flags."""
+  if not callable(loss):
+    raise TypeError(f"{caller}: loss must be callable, got {loss!r}.")
+  l2_clip = _check_clip(l2_clip, caller)
+  nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
+  for name, value in flags.items():
+    if not isinstance(value, bool | np.bool_):
+      raise TypeError(f"{caller}: {name} must be a bool, got {value!r}.")
+  return Options(
+    l2_clip, nums, mask_argnum, bool(flags.get("has_aux")), bool(flags["rescale_to_unit_norm"])
+  )
 
 
 def clipped_grad(
@@ -370,6 +463,9 @@ def clipped_grad(
   *,
   batch_argnums: ArgNums = 1,
   mask_argnum: int | None = None,
+  has_aux: bool = False,
+  return_values: bool = False,
+  rescale_to_unit_norm: bool = False,
   return_stats: bool = False,
 ) -> ClippedGrad:
   """The sum of per-example clipped gradients, ``Σᵢ clip_C(∇ loss(params, *exampleᵢ))``.
@@ -397,29 +493,44 @@ def clipped_grad(
   per-example gradients. Across steps, use `clipped_loss` with `accumulate`/`TrainStep`.
 
   Args:
-    loss: ``loss(params, *args) -> scalar``, the loss of a batch (here: of one example).
+    loss: ``loss(params, *args) -> scalar`` (``-> (scalar, aux)`` with `has_aux`), the loss
+      of a batch (here: of one example).
     l2_clip: ``C``, the clip norm, a positive finite number.
     batch_argnums: the positions (in ``loss``'s arguments, >= 1) of the pytrees whose leaves'
       leading axis is the batch; all must have the same leading size ``B``.
     mask_argnum: optional position of one more argument of the returned function (not passed
       to `loss`): a ``(B,)`` array, nonzero for real examples and 0 for padding. In a
       `microbatch`, name it in `batch_argnums` there so that it is split with the batch.
+    has_aux: `loss` returns ``(value, aux)``; each example's aux is returned (``ClipAux.aux``,
+      one row per example, padding rows 0): stacked along a new leading axis, whose next axis
+      is dropped where it has size 1 (the example's batch axis: its ``(1, 10)`` logits come
+      back ``(B, 10)``, as jax_privacy's ``clipped_grad`` gives them; a scalar gives ``(B,)``).
+    return_values: also return each example's loss value (``ClipAux.values``, ``(B,)``
+      float32, 0 for padding), from the forward pass the gradient already runs: logging the
+      loss costs no second pass. Their sum over the real examples is the batch's summed loss.
+    rescale_to_unit_norm: divide each clipped gradient by ``C``, so one example contributes
+      at most norm 1 whatever ``C`` is (the sensitivity is 1, jax_privacy's option of the same
+      name; the learning rate no longer moves with ``C``, arXiv:2204.13650). Pass this function
+      itself as `dp_noise`'s ``l2_clip`` and its noise follows (``σ·1``); a number there must
+      then be 1.
     return_stats: also return a `ClipStats` (real examples, clipped examples, per-example
-      norms) for monitoring. These are not privatised: do not release them.
+      norms) for monitoring.
 
   Returns:
     A `ClippedGrad`: called like `loss` (plus the mask), it returns the clipped sum, a pytree
-    like the parameters, or ``(clipped sum, ClipStats)`` with `return_stats`. Its
-    ``.reduction`` is what `microbatch` needs for these outputs and ``.sensitivity()`` the L2
-    sensitivity of the sum.
+    like the parameters; with `has_aux` or `return_values` ``(clipped sum, ClipAux(values,
+    aux, stats))`` (a field not asked for is None); with `return_stats` alone ``(clipped sum,
+    ClipStats)``. The per-example outputs are not privatised: do not release them. Its
+    ``.reduction`` is what `microbatch` needs for these outputs, ``.l2_norm_bound`` one
+    example's bound (``C``, or 1 rescaled) and ``.sensitivity()`` the L2 sensitivity of the sum.
 
   Raises:
     TypeError, ValueError: for an `l2_clip` that is not a positive finite number, empty or
-      negative `batch_argnums` (or one naming the parameters), a bad `mask_argnum`; at call
-      time, for batch arguments that are missing, hold no arrays or disagree on the batch
-      size, a mask of the wrong shape, parameters without a floating array, or (inside
-      `shard_map`) a loss that gathers or permutes values over an axis the examples are split
-      over (FSDP written by hand: per-example gradients would mix examples).
+      negative `batch_argnums` (or one naming the parameters), a bad `mask_argnum`, a flag
+      that is not a bool; at call time, for batch arguments that are missing, hold no arrays
+      or disagree on the batch size, a mask of the wrong shape, parameters without a floating
+      array, or (inside `shard_map`) a loss that gathers or permutes values over an axis the
+      examples are split over (FSDP written by hand: per-example gradients would mix examples).
 
   >>> import jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)  # per-example gradient: the example x itself
@@ -428,19 +539,31 @@ def clipped_grad(
   Array([0.90000004, 1.2       ], dtype=float32)
   >>> g.sensitivity()
   1.0
+  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0, return_values=True)
+  >>> _, aux = g(jnp.ones(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
+  >>> [round(float(v), 4) for v in aux.values]  # each example's loss, from the same pass
+  [7.0, 0.7]
   """
-  if not callable(loss):
-    raise TypeError(f"clipped_grad: loss must be callable, got {loss!r}.")
-  l2_clip = _check_clip(l2_clip, "clipped_grad")
-  nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
+  opts = _options(
+    "clipped_grad", loss, l2_clip, batch_argnums, mask_argnum, has_aux=has_aux,
+    return_values=return_values, rescale_to_unit_norm=rescale_to_unit_norm,
+    return_stats=return_stats,
+  )  # fmt: skip
+  extras = bool(has_aux or return_values)
 
   def fun(params: Any, *args: Any) -> Any:
     split = split_params(params)
-    _, sums, stats = clipped_sum(loss, l2_clip, nums, mask_argnum, split, args)
-    grads = split.tree_of(like_params(sums, split.arrays))
-    return (grads, stats) if return_stats else grads
+    out = clipped_sum(loss, opts, split, args)
+    grads = split.tree_of(like_params(out.sums, split.arrays))
+    if extras:
+      values = out.values if return_values else None
+      return grads, ClipAux(values, out.aux, out.stats if return_stats else None)
+    return (grads, out.stats) if return_stats else grads
 
-  return ClippedGrad(fun, l2_clip, bool(return_stats))
+  return ClippedGrad(
+    fun, opts.l2_clip, bool(return_stats), opts.has_aux, bool(return_values), opts.rescale,
+    opts.mask_argnum,
+  )  # fmt: skip
 
 
 def clipped_loss(
@@ -449,23 +572,28 @@ def clipped_loss(
   *,
   batch_argnums: ArgNums = 1,
   mask_argnum: int | None = None,
+  rescale_to_unit_norm: bool = False,
 ) -> Callable[..., jax.Array]:
   """A loss whose gradient is `clipped_grad`'s clipped sum: DP for `TrainStep`/`accumulate`.
 
-  Its value is ``Σᵢ loss(params, *exampleᵢ)`` over the real examples; its gradient with respect
-  to argument 0 (a custom VJP) is ``Σᵢ clip_C(∇ℓᵢ)``, computed in the forward pass. So any
-  front end that takes a loss and calls `jax.grad` on it accumulates clipped sums, e.g.
-  ``TrainStep(clipped_loss(loss, C), optax.chain(dp_noise(...), optax.sgd(lr)), every_k=k,
-  reduction="sum")``. Only argument 0 is differentiable.
+  Its value is ``Σᵢ loss(params, *exampleᵢ)`` over the real examples (the per-example values
+  come from the forward pass the gradient needs: ``jax.value_and_grad`` of it runs the loss
+  once); its gradient with respect to argument 0 (a custom VJP) is ``Σᵢ clip_C(∇ℓᵢ)``,
+  computed in the forward pass. So any front end that takes a loss and calls `jax.grad` on it
+  accumulates clipped sums, e.g. ``TrainStep(clipped_loss(loss, C), optax.chain(dp_noise(...),
+  optax.sgd(lr)), every_k=k, reduction="sum")``. Only argument 0 is differentiable.
 
   Args:
     loss: as for `clipped_grad`.
     l2_clip: as for `clipped_grad`.
     batch_argnums: as for `clipped_grad`.
     mask_argnum: as for `clipped_grad`.
+    rescale_to_unit_norm: as for `clipped_grad`: the gradient is ``Σᵢ clip_C(∇ℓᵢ) / C``
+      (the value is not rescaled). Give the returned function to `dp_noise` as ``l2_clip``.
 
   Returns:
-    ``f(params, *args) -> scalar`` with the custom gradient.
+    ``f(params, *args) -> scalar`` with the custom gradient; ``f.l2_norm_bound`` is one
+    example's bound (``C``, or 1 rescaled), as `ClippedGrad`'s.
 
   Raises:
     TypeError, ValueError: as `clipped_grad`.
@@ -476,24 +604,22 @@ def clipped_loss(
   >>> jax.grad(f)(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
   Array([0.90000004, 1.2       ], dtype=float32)
   """
-  if not callable(loss):
-    raise TypeError(f"clipped_loss: loss must be callable, got {loss!r}.")
-  l2_clip = _check_clip(l2_clip, "clipped_loss")
-  nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
+  opts = _options(
+    "clipped_loss", loss, l2_clip, batch_argnums, mask_argnum,
+    rescale_to_unit_norm=rescale_to_unit_norm,
+  )  # fmt: skip
 
   def f(params: Any, *args: Any) -> jax.Array:
     split = split_params(params)
-    clipped = lambda arrays: clipped_sum(  # noqa: E731
-      loss, l2_clip, nums, mask_argnum, split._replace(arrays=arrays), args
-    )
+    clipped = lambda arrays: clipped_sum(loss, opts, split._replace(arrays=arrays), args)  # noqa: E731
 
     @jax.custom_vjp
     def value(arrays):
-      return clipped(arrays)[0]
+      return clipped(arrays).value
 
     def fwd(arrays):
-      v, sums, _ = clipped(arrays)
-      return v, (sums, arrays)
+      out = clipped(arrays)
+      return out.value, (out.sums, arrays)
 
     def bwd(res, ct):
       sums, arrays = res
@@ -503,4 +629,6 @@ def clipped_loss(
     value.defvjp(fwd, bwd)
     return value(split.arrays)
 
+  f.l2_norm_bound = 1.0 if opts.rescale else opts.l2_clip  # type: ignore[attr-defined]
+  f.mask_argnum = opts.mask_argnum  # type: ignore[attr-defined]
   return f

@@ -27,7 +27,8 @@ KEPT, MADE_RIGHT, REFUSED = "kept", "made right", "refused"
 class ContractRow(NamedTuple):
   """One row of the privacy contract."""
 
-  front: str  # "accumulate", "TrainStep", "microbatch", "data_parallel" or "layout"
+  # "accumulate", "TrainStep", "microbatch", "data_parallel", "dp_epsilon" or "layout"
+  front: str
   option: str  # the option (or layout) as written in code
   verdict: str  # KEPT, MADE_RIGHT or REFUSED
   why: str  # what it does on a private path, in one sentence
@@ -83,6 +84,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "judges the gradient leaves only: clipped sums are finite by construction (a non-finite "
      "per-example gradient counts 0)"),
   _R("accumulate", "skip_nonfinite=False", KEPT, _SUM),
+  _R("accumulate", 'skip_nonfinite="window"', KEPT,
+     "a window is dropped only if its sums are not finite, which clipped sums never are (a "
+     "non-finite per-example gradient counts 0; n clipped gradients sum to at most n·C, far "
+     "below float32's overflow): the noisy update always happens and is counted"),
   _R("accumulate", "empty window", MADE_RIGHT,
      "a window whose every micro-batch was dropped still makes the noisy update, counted by "
      "dp_updates (the accountant counts every window)"),
@@ -107,8 +112,13 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "divides by the realised number of micro-batches (data-dependent)", "reduction_mean"),
   _R("TrainStep", "accum_dtype narrower than float32", REFUSED,
      "rounding the running sum breaks the C bound", "accum_dtype"),
+  _R("TrainStep", "loss_fn=clipped_loss(..., rescale_to_unit_norm=True)", MADE_RIGHT,
+     "each clipped gradient ÷ C: one example moves the sum by at most 1, and dp_noise given "
+     "the loss as l2_clip draws σ·1 (the same ε as the unscaled run, whose update it is ÷ C)"),
   _R("TrainStep", "skip_nonfinite=True", KEPT,
      "judges the clipped gradients only: a NaN loss value drops nothing"),
+  _R("TrainStep", 'skip_nonfinite="window"', KEPT,
+     "as accumulate's: clipped sums are finite, so no window is dropped"),
   _R("TrainStep", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
      "weight_fn"),
   _R("TrainStep", "step(..., weight=...)", REFUSED, "multiplies the clipped sums", "weight"),
@@ -122,6 +132,12 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   # microbatch(fun, k, ...)
   _R("microbatch", "fun=clipped_grad(...)", KEPT, _SUM),
   _R("microbatch", "fun=value_and_grad(clipped_loss(...))", KEPT, _SUM),
+  _R("microbatch", "fun=clipped_grad(..., has_aux=True, return_values=True)", KEPT,
+     "the per-example loss values and aux ride as \"concat\" rows beside the same clipped sum "
+     "(from the same forward pass); they are monitoring, not a private release"),
+  _R("microbatch", "fun=clipped_grad(..., rescale_to_unit_norm=True)", MADE_RIGHT,
+     "each clipped gradient ÷ C: one example moves the sum by at most 1, and dp_noise given "
+     "the function as l2_clip draws σ·1 (the same ε as the unscaled run, whose update it is ÷ C)"),
   _R("microbatch", "reduction omitted", MADE_RIGHT,
      'the function\'s own (ClippedGrad.reduction, else "sum"), not microbatch\'s "mean"'),
   _R("microbatch", 'reduction="sum"', KEPT, _SUM),
@@ -131,6 +147,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "an example is in one micro-batch: its entry moves by at most C"),
   _R("microbatch", "num_real_microbatches", KEPT,
      "padded micro-batches are not run; the sum of the real ones is kept"),
+  _R("microbatch", "num_real_microbatches, rows laid out for the other split", MADE_RIGHT,
+     "real rows (the mask's) in micro-batches that do not run raise, naming split= on both "
+     "(host values), or make the sums NaN (traced): never a clipped sum missing examples"),
   _R("microbatch", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
      "weight_fn"),
   _R("microbatch", "skip_nonfinite", MADE_RIGHT,
@@ -156,6 +175,13 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "GSPMD sums each micro-batch's clipped sums; the same sum"),
   _R("data_parallel", 'varying="concat"', KEPT,
      "joins per-device outputs; what it joins (ClipStats norms) is monitoring, not private"),
+  # the accountant
+  _R("dp_epsilon", 'neighboring_relation="replace_one"', KEPT,
+     "one example replaced moves the update by at most 2C/B (sensitivity(\"replace_one\")); "
+     "dp_noise draws σ·C as for add-or-remove, and the PLD accountant analyses the outputs' "
+     "±C shift itself: the same σ, replace-one's ε"),
+  _R("dp_epsilon", 'neighboring_relation="replace_one", accountant="rdp"', REFUSED,
+     "dp-accounting's RDP has no Poisson-sampled replace-one analysis", "rdp_replace_one"),
   # layouts x front ends
   _R("layout", "one device", KEPT, "every row above is measured on one device"),
   _R("layout", 'shard_map over ("data",)', KEPT,

@@ -64,6 +64,20 @@ def _check_number(value: Any, name: str, *, positive: bool) -> float:
   return float(value)
 
 
+def _bound(l2_clip: Any) -> float:
+  """One example's bound on the clipped sum: a number, or read from the clipped function
+  (`ClippedGrad`, `clipped_loss`'s): ``C``, or 1 with ``rescale_to_unit_norm``."""
+  if callable(l2_clip):
+    bound = getattr(l2_clip, "l2_norm_bound", None)
+    if bound is None:
+      raise TypeError(
+        f"dp_noise: l2_clip must be a number (the clip norm C) or the clipped function "
+        f"(privacy.clipped_grad or privacy.clipped_loss, whose bound it reads), got {l2_clip!r}."
+      )
+    return float(bound)
+  return _check_number(l2_clip, "l2_clip", positive=True)
+
+
 def _key_data(key: Any) -> tuple[jax.Array, Any]:
   """The raw uint32 data of a single PRNG key (typed, of any implementation, or legacy) and
   its implementation, else a clear error."""
@@ -142,8 +156,13 @@ def dp_noise(
   optimizer (post-processing keeps the guarantee). Give the accountant `dp_updates(state)`.
 
   Args:
-    noise_multiplier: σ >= 0 (0: no noise, for testing; not private).
-    l2_clip: C > 0, the clip norm used by `clipped_grad`.
+    noise_multiplier: σ >= 0 (0: no noise, for testing; not private). The same σ is given to
+      the accountant whatever the neighbouring relation (`dp_epsilon` counts replace-one's
+      distance 2C itself).
+    l2_clip: the bound on one example's contribution to the sum: C > 0, the clip norm used by
+      `clipped_grad`/`clipped_loss`; or that clipped function itself, whose bound is read
+      (C, or 1 with ``rescale_to_unit_norm``: then a number here must be 1, not C). The noise
+      std is σ times this bound.
     expected_batch_size: B > 0, the public expected size of a logical batch.
     key: a PRNG key (``jax.random.key(seed)``, of any implementation, e.g.
       ``jax.random.key(seed, impl="rbg")``, or the legacy ``PRNGKey``), used for nothing else;
@@ -166,7 +185,7 @@ def dp_noise(
   (Array([0.5, 1. ], dtype=float32), 1)
   """
   sigma = _check_number(noise_multiplier, "noise_multiplier", positive=False)
-  clip = _check_number(l2_clip, "l2_clip", positive=True)
+  clip = _bound(l2_clip)
   batch = _check_number(expected_batch_size, "expected_batch_size", positive=True)
   data, impl = _key_data(key)
   stddev = sigma * clip

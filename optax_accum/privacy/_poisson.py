@@ -51,13 +51,33 @@ def _rate(value: Any) -> float:
 
 
 class PoissonBatch(NamedTuple):
-  """One Poisson-sampled logical batch, padded to whole micro-batches."""
+  """One Poisson-sampled logical batch, padded to whole micro-batches, with its layout."""
 
   step: int  # which logical batch (the update it feeds)
   indices: np.ndarray  # (num_microbatches * microbatch_size,) int64 example indices
   mask: np.ndarray  # same shape, bool: True for sampled examples, False for padding
   num_real: int  # the sampled examples (the realised batch size; not public)
   num_microbatches: int  # micro-batches holding real examples (at least 1)
+  # how the rows are laid out into micro-batches: `microbatch`'s split of the same name
+  split: Split = "strided"
+  microbatch_size: int | None = None  # rows per micro-batch (None: rows / num_microbatches)
+
+  def microbatch(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(indices, mask)`` of micro-batch `i` in this batch's own layout: what a host loop
+    feeds micro-step `i` of `TrainStep`/`accumulate`, for ``i < num_microbatches`` (never
+    slice the rows by hand: under the strided layout micro-batch ``i`` is rows ``i, i+k, …``).
+
+    Raises:
+      IndexError: for an `i` outside ``[0, k)``, ``k`` the batch's micro-batches (padding
+        ones included).
+    """
+    rows = self.indices.shape[0]
+    b = self.microbatch_size or rows // max(1, self.num_microbatches)
+    k = rows // b
+    if isinstance(i, bool) or not isinstance(i, int | np.integer) or not 0 <= i < k:
+      raise IndexError(f"PoissonBatch.microbatch: i must be an int in [0, {k}), got {i!r}.")
+    at = np.arange(i, rows, k) if self.split == "strided" else np.arange(i * b, (i + 1) * b)
+    return self.indices[at], self.mask[at]
 
 
 class PoissonSampler:
@@ -85,11 +105,13 @@ class PoissonSampler:
     max_microbatches: pad every batch to this many micro-batches (fixed shapes). A draw
       larger than that raises (truncating would break the accounting). None: pad to
       the batch's own whole micro-batches.
-    split: how the rows are laid out for `microbatch`'s `split` with
-      ``num_real_microbatches``: "contiguous" (micro-batch ``i`` is rows ``i·b … i·b+b-1``;
-      also what a host loop slicing micro-batches one by one wants) or "strided" (micro-batch
-      ``i`` is rows ``i, i+k, …`` with ``k = max_microbatches``). Either way the real examples
-      sit in the first ``num_microbatches`` micro-batches.
+    split: how the rows are laid out into micro-batches, for `microbatch` with
+      ``num_real_microbatches``: "strided" (the default, as `microbatch`'s: micro-batch ``i``
+      is rows ``i, i+k, …`` with ``k`` the batch's micro-batches) or "contiguous" (rows
+      ``i·b … i·b+b-1``). Either way the real examples sit in the first ``num_microbatches``
+      micro-batches. Give `microbatch` the same split (a batch laid out for the other one
+      makes it raise, or poison its sums under `jax.jit`, rather than drop real rows); a host
+      loop takes micro-batch ``i`` with `PoissonBatch.microbatch`, right for either.
     start: the first logical batch iteration yields (resume at ``start``).
 
   Raises:
@@ -115,7 +137,7 @@ class PoissonSampler:
     *,
     seed: int,
     max_microbatches: int | None = None,
-    split: Split = "contiguous",
+    split: Split = "strided",
     start: int = 0,
   ):
     self.num_examples = _int(num_examples, "num_examples", 1)
@@ -167,7 +189,7 @@ class PoissonSampler:
     indices[where] = sampled
     mask = np.zeros(rows, bool)
     mask[where] = True
-    return PoissonBatch(int(step), indices, mask, int(n), mbs)
+    return PoissonBatch(int(step), indices, mask, int(n), mbs, self.split, b)
 
   def _too_large(self, step: int, n: int) -> str:
     q, big_n, b = self.sampling_rate, self.num_examples, self.microbatch_size
