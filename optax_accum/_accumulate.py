@@ -397,6 +397,35 @@ def _check_tree(grads: Any, reference: Any, skip: int, name: str, described: str
     )
 
 
+OUTSIDE_MAP_RECIPE = (
+  "With an axis each device keeps its own partial sums, so the state is made by init inside the "
+  "map that binds {axis!r}. With jax.pmap (Flax's TrainState.create calls tx.init outside any "
+  "map), create it inside a pmap over the replicated parameters:\n\n"
+  "    state = jax.pmap(\n"
+  "        lambda p: TrainState.create(apply_fn=model.apply, params=p, tx=tx),\n"
+  "        axis_name={axis!r},\n"
+  "    )(flax.jax_utils.replicate(params))\n"
+  "    # or, for the optimizer state alone: jax.pmap(tx.init, axis_name={axis!r})(replicated)\n\n"
+  "With shard_map, call tx.init inside it (optax_accum.state_partition_specs gives the specs "
+  "that keep the state across calls); under plain jax.jit, optax_accum.TrainStep or "
+  "data_parallel bind the axis for you."
+)
+
+NOT_PER_DEVICE = (
+  "{caller}: axis_name={axis!r}, but this state was not made by init inside a map that binds "
+  "it: its sums have no per-device axis (acc_weight has shape {shape}; a per-device state's "
+  "has shape (1,) inside the map). " + OUTSIDE_MAP_RECIPE
+)
+
+
+def _check_per_device(cfg: Config, state: AccumulateState, caller: str) -> None:
+  """Raises `NOT_PER_DEVICE` for a state made without the axis (or outside the map, e.g. by
+  Flax's ``TrainState.create``) but updated with it: else a shapes error naming no fix."""
+  shape = jnp.shape(state.acc_weight)
+  if cfg.axis.stacks and shape != (1,):
+    raise ValueError(NOT_PER_DEVICE.format(caller=caller, axis=cfg.axis.name, shape=shape))
+
+
 def check_update(
   cfg: Config,
   grads: Any,
@@ -409,6 +438,7 @@ def check_update(
 ) -> jax.Array | None:
   """The trace-time checks of one `update` call; returns the weight as an array (or None)."""
   cfg.axis.check_bound(caller)
+  _check_per_device(cfg, state, caller)
   _check_window(cfg, state)
   if holds_sums(state):
     described = "the tree the state was initialised with"
@@ -908,7 +938,12 @@ GAIN_WITHOUT_NOISE = (
 def init(cfg: Config, params: Any) -> AccumulateState:
   """The initial state: an empty window (no accumulator when every_k == 1)."""
   axis = cfg.axis
-  axis.check_bound(f"{cfg.front}.init")
+  try:
+    axis.check_bound(f"{cfg.front}.init")
+  except ValueError as e:  # the usual case: Flax's TrainState.create, outside any map
+    if cfg.front != "accumulate":
+      raise
+    raise ValueError(f"{e}\n\n" + OUTSIDE_MAP_RECIPE.format(axis=axis.name)) from None
   if cfg.unaccumulated:
     acc = no_sums(axis, _gradient_like(params))
   else:

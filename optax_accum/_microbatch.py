@@ -18,6 +18,9 @@ axis, bound by the caller's map, or bound here (plain `jax.jit`) through `_gspmd
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _batch, _checks, _collectives, _gspmd, _outputs, _scan
+from optax_accum import _batch, _checks, _collectives, _gspmd, _nnx, _outputs, _scan
 from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
@@ -52,6 +55,25 @@ CONTIGUOUS_IN_MAP = (
   "movement), or call microbatch under plain jax.jit with axis_name (it lays the rows out "
   "itself)."
 )
+
+AVERAGED_ROWS = (
+  "microbatch: fun's output {paths} has shape {shape}, one row per example of a micro-batch "
+  "({b} of the batch's {size} rows), and the default reduction='mean' averages it over the {k} "
+  "micro-batches: it comes back as {shape}, not the batch's ({size}, ...). If it holds "
+  "per-example values (logits, per-example losses), ask for their rows in the batch's order "
+  "with reduction='concat' there, e.g. reduction=(('mean', 'concat'), 'mean') for "
+  "jax.value_and_grad(loss, has_aux=True) whose aux is the logits; if the average is what you "
+  "want, pass reduction='mean' to say so (and silence this warning)."
+)
+
+
+class _DefaultReduction(str):
+  """The default "mean", told apart from a "mean" the caller asked for (`_warn_averaged_rows`)."""
+
+  __slots__ = ()
+
+
+DEFAULT_MEAN = _DefaultReduction("mean")
 
 LAYOUT_MISMATCH = (
   "microbatch: {lost} of the batch's {real} real rows (argument {at}, the mask, nonzero) sit "
@@ -218,6 +240,15 @@ def microbatch(
   that `state_out` selects (e.g. ``lambda out: out[0][1]``) come out as the final state whatever
   `reduction` says for them.
 
+  Flax NNX objects (an ``nnx.Module``, ``nnx.Rngs`` or other ``nnx.Pytree``, passed as an
+  argument of its own, positional or keyword) need no `state_argnums`: they are split once as
+  ``nnx.scan`` splits them, their parameters (``nnx.Param``) read by every micro-batch and the
+  rest of their state (BatchNorm statistics, the Rngs counters) threaded through the
+  micro-batches in order, and the final state is written back into the objects after the loop
+  (so each micro-batch draws its own dropout mask, and the caller's Rngs advance as ``k``
+  sequential calls would advance them). An NNX object inside a container, or named as a batch
+  argument, raises; so does a `fun` that changes the objects' structure.
+
   A padded batch (the last, partly empty batch of an epoch at the usual shape): pass
   `num_real_microbatches` ``n`` and only the first ``n`` micro-batches run — the loop stops
   after them. "mean" and "sum" cover the real micro-batches only, "last" and the state come
@@ -367,7 +398,7 @@ def microbatch(
       fun, reduction, weight_fn, noise_scale, pos.states, accum_dtype
     )
   elif reduction is None:
-    reduction = "mean"
+    reduction = DEFAULT_MEAN
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
@@ -392,12 +423,18 @@ def microbatch(
 
   @_checks.wraps(fun)
   def wrapped(*args, **kwargs):
-    axis = _gspmd.resolve_axis(axis_name, mesh, "microbatch")
-    if axis.mode == "unbound":
-      return _bind(opts._replace(axis=axis), args, kwargs)
-    return _run(opts._replace(axis=axis), args, kwargs)
+    # NNX objects among the arguments: split, their state threaded, merged back (`_nnx`).
+    return _nnx.call(_call, opts, args, kwargs)
 
   return wrapped
+
+
+def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
+  """One call of a `microbatch` function on arrays: the axis resolved, then bound or run."""
+  axis = _gspmd.resolve_axis(opts.axis_name, opts.mesh, "microbatch")
+  if axis.mode == "unbound":
+    return _bind(opts._replace(axis=axis), args, kwargs)
+  return _run(opts._replace(axis=axis), args, kwargs)
 
 
 def _private_options(
@@ -637,10 +674,47 @@ def _plan(opts: _scan.Options, pos, operands, state0: tuple, size: int) -> _outp
     for n in leaves:
       kinds[n] = "state"  # the threaded state comes out as the final state, not reduced
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
+  _warn_averaged_rows(opts, pos, operands, out_t, kinds, size)
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
   _check_noise_once(noise)
   decide = _outputs.deciding_leaves(opts.skip_nonfinite, tree, kinds)
   return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total, decide)
+
+
+def _warn_averaged_rows(opts: _scan.Options, pos, operands, out_t, kinds, size: int) -> None:
+  """Warns when the *default* "mean" averages what looks like per-example rows: an output of
+  leading size ``b`` (the micro-batch's rows, ``b < B``) whose shape is no non-batch argument's
+  (a gradient has its parameter's shape). Downstream such an output fails with a shape error
+  that cannot mention `reduction` (e.g. ``(8, 10)`` logits against ``(32,)`` labels): say it
+  here. An explicit `reduction` is never second-guessed."""
+  default = any(isinstance(r, _DefaultReduction) for r in jax.tree.leaves(opts.reduction))
+  b = size // opts.k
+  if not default or b == size:
+    return
+  args, kwargs = operands
+  batch = pos.axis_of()
+  others = [x for key, x in [*enumerate(args), *kwargs.items()] if key not in batch]
+  known = {jnp.shape(y) for y in jax.tree.leaves(others)}
+  paths = jax.tree.leaves_with_path(out_t)
+  if getattr(opts.fun, "nnx_pure", False):  # `_nnx`'s (output, state): name fun's own paths
+    paths = [(p[1:], t) for p, t in paths]
+  rows = [
+    (jax.tree_util.keystr(p), t.shape)
+    for (p, t), kind in zip(paths, kinds, strict=True)
+    if kind == "mean" and t.ndim and t.shape[0] == b and t.shape not in known
+  ]
+  if rows:
+    names = ", ".join(f"out{p}" for p, _ in rows)
+    message = AVERAGED_ROWS.format(paths=names, shape=rows[0][1], b=b, size=size, k=opts.k)
+    warnings.warn(message, UserWarning, stacklevel=_caller_level())
+
+
+def _caller_level() -> int:
+  """The `stacklevel` of the first frame outside this package (the caller's call)."""
+  here, frame, level = os.path.dirname(__file__), sys._getframe(1), 1
+  while frame is not None and frame.f_code.co_filename.startswith(here):
+    frame, level = frame.f_back, level + 1
+  return level
 
 
 def _named(pos: _batch.Positions) -> str:
@@ -653,11 +727,7 @@ def _raise_unnamed_batch(error: Exception, pos, operands, size: int, b: int) -> 
   args, kwargs = operands
   batch = pos.axis_of()
   others = [*enumerate(args), *kwargs.items()]
-  suspects = [
-    key
-    for key, x in others
-    if key not in batch and any(jnp.ndim(y) and jnp.shape(y)[0] == size for y in jax.tree.leaves(x))
-  ]
+  suspects = [key for key, x in others if key not in batch and _looks_like_batch(x, size)]
   if size == b or not suspects:
     return
   names = [f"keyword argument {s!r}" if isinstance(s, str) else f"argument {s}" for s in suspects]
@@ -671,6 +741,14 @@ def _raise_unnamed_batch(error: Exception, pos, operands, size: int, b: int) -> 
       hint=tuple(sorted({*pos.batch, *(s for s in suspects if isinstance(s, int))})),
     )
   ) from error
+
+
+def _looks_like_batch(tree: Any, size: int) -> bool:
+  """Every array of `tree` (rank 1 or more) has the batch's leading size: batch data left
+  unnamed. A model or its parameters (one kernel of leading size `size` among biases and other
+  layers, an NNX module) do not."""
+  shapes = [jnp.shape(y) for y in jax.tree.leaves(tree) if _batch.is_array(y) and jnp.ndim(y)]
+  return bool(shapes) and all(s[0] == size for s in shapes)
 
 
 def _probe(opts: _scan.Options, pos, operands, state0: tuple) -> tuple[Any, jax.Array]:

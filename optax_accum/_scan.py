@@ -408,7 +408,8 @@ def _finish(opts: Options, plan: _outputs.Plan, carry: Carry) -> Any:
     results[n] = _batch.unsplit(y) if plan.kinds[n] == "concat" else y
   for s, leaves in zip(carry.state, plan.state, strict=True):
     for n, x in zip(leaves, jax.tree.leaves(s), strict=True):
-      results[n] = x.astype(plan.like[n].dtype)
+      # (No cast where none is needed: a PRNG key, e.g. an nnx.Rngs stream's, has no astype.)
+      results[n] = x if x.dtype == plan.like[n].dtype else x.astype(plan.like[n].dtype)
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
