@@ -626,9 +626,13 @@ def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
   return finish.empty(window.params, window.sums), window.inner_state, window.noise
 
 
-def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Window) -> Closed:
+def close_window(
+  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window, reduced: bool = False
+) -> Closed:
   """The emitting step: one all-reduce across devices (the sums, the total weight and the
   noise partials together), then the inner update unless the window holds no weight.
+  `reduced`: `window` is global already (`TrainStep`'s emitting program with an axis, which
+  reduces leaf by leaf): no all-reduce here.
 
   `like` (the micro-batch gradients) is read only for its dtypes and device variance.
   `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
@@ -637,7 +641,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   """
   local = window.noise
   guard = guard and not _checks.holds_private_state(window.inner_state)  # noise always added
-  window = _global(cfg, window, like)
+  window = window if reduced else _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
     closed = Closed(*apply(window), jnp.asarray(True))

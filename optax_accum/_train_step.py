@@ -14,6 +14,12 @@ application real memory passes and on GPU makes the host wait for the predicate
   compiled once (two programs compile in about the time of the protocol path's one), for one
   more dispatch per window. With every_k = 1 (no accumulator) one program does
   ``grad → add → close_window → advance``;
+* with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
+  all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
+  that leaf only (`_close_leafwise`), so XLA's scheduler can start it while the backward pass
+  still computes the gradients of earlier layers (what PyTorch DDP's buckets do after
+  ``no_sync``), instead of all-reducing the whole window after the whole backward pass. The
+  price: the backward pass is compiled twice (`benchmarks/accel.py`'s `overlap` section);
 
 and keeps the window position on the host, so dispatch never waits for the device.
 """
@@ -33,11 +39,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _batch, _checks, _gspmd, _noise, _sharding
+from optax_accum import _accumulate, _batch, _checks, _collectives, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+
+# With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
+# all-reduces the window leaf by leaf (True), or the accumulating program and then the closing
+# program, which all-reduces the state's sums in one collective (False: the control of
+# `tests/test_accel.py` and `benchmarks/accel.py`; it compiles the backward pass once).
+OVERLAP_WITH_AXIS = True
 
 INSIDE_JIT = (
   "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
@@ -275,6 +287,9 @@ class TrainStep:
       grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
+    # Whether the emitting micro-step is one program (grad → add → close) rather than the
+    # accumulating program followed by the closing one.
+    self._fused_emit = self._cfg.unaccumulated or (axis.stacks and OVERLAP_WITH_AXIS)
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
@@ -286,14 +301,17 @@ class TrainStep:
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
-    """The two programs, by `emit`: the accumulating one (False) and, with every_k = 1, the
-    one that adds and closes each window (True); else True is the closing program, which the
-    emitting micro-step runs after the accumulating one (`_close`)."""
+    """The two programs, by `emit`: the accumulating one (False) and the emitting one (True):
+    with every_k = 1 (then the only one) or with `axis_name` (`_fused_emit`), the one that
+    computes the last gradient, adds and closes the window; else the closing program, which
+    the emitting micro-step runs after the accumulating one (`_close`)."""
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
     self._compiled = {}
     step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
     if self._cfg.unaccumulated:
       return {True: step(functools.partial(self._step, emit=True))}
+    if self._fused_emit:
+      return {e: step(functools.partial(self._step, emit=e)) for e in (False, True)}
     kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
     donate = (0, 1) if 0 in self._donate_argnums else ()
     return {
@@ -450,13 +468,49 @@ class TrainStep:
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
-      closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
+      if cfg.axis.stacks and OVERLAP_WITH_AXIS:
+        closed = self._close_leafwise(grads, state, weight, window, dropped, can_be_empty)
+      else:
+        closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
       params, sums = closed.out
       params = _batch.restore_static(params, hidden)
     else:
       closed = _accumulate.keep_open(_accumulate.APPLY, window)
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return (params if emit else hidden), state, grad_buffer, value
+
+  def _close_leafwise(self, grads, state, weight, window, dropped, guard) -> _accumulate.Closed:
+    """The emitting program's window, global, with the sums all-reduced leaf by leaf: each
+    leaf's all-reduce reads ``acc + w·g`` of that leaf only, so it can start as soon as its
+    gradient exists. The scalars (total weight, drop count, noise partials) take one small
+    all-reduce of their own. A per-micro-batch finite check (`skip_nonfinite=True`) reads every
+    leaf, so the sums are reduced without it; if any device dropped this micro-batch, a
+    conditional reduces the checked sums again (exact, rare: an update with a non-finite last
+    micro-batch pays a second all-reduce)."""
+    cfg = self._cfg
+    axis = cfg.axis
+    # acc + w·g: without the finite check (the weight's own check is a scalar)
+    optimistic = _accumulate.add(cfg._replace(skip_nonfinite=False), grads, state, weight)[0]
+    sums = axis.reduce_leaves(optimistic)
+    local = window.noise
+    partials = () if local is None else _noise.partials(local)
+    # (one all-reduce: the drop count as float32, like the total)
+    total, drops, partials = axis.reduce((window.total, dropped.astype(jnp.float32), partials))
+    if cfg.skip_nonfinite:
+      added = state._replace(inner_state=None, noise=None)  # what `add` reads of the state
+
+      def checked(operands):
+        g, s, w, _ = operands
+        return axis.reduce_leaves(_accumulate.add(cfg, g, s, w)[0])
+
+      operands = (grads, added, weight, sums)
+      sums = _collectives.cond(drops > 0, checked, lambda ops: ops[-1], operands)
+    noise = None if local is None else _accumulate._with_partials(local, partials)
+    window = window._replace(sums=sums, total=total, noise=noise)
+    closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, guard, window, reduced=True)
+    # The noise partials stay this device's (spent: the next add restarts them).
+    mine = _accumulate._noise_partials(local)
+    return closed._replace(noise=_accumulate._with_partials(closed.noise, mine))
 
   def _close(self, params: Any, state: Any) -> tuple[Any, Any]:
     """The closing program: the window the accumulating program has just added the last
@@ -558,13 +612,14 @@ class TrainStep:
 
   def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
     """Runs the accumulating program, and on an emitting micro-step the closing one after it
-    (with every_k = 1 the one program that adds and closes): compiled together on the first
+    (with every_k = 1 or `axis_name`, the one program that adds and closes instead): compiled
+    together on the first
     call with these argument types (`compile`), or, for inputs unlike those they were
     compiled for, through `jax.jit`."""
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    fused = emit and self._cfg.unaccumulated
+    fused = emit and self._fused_emit
     params, state, grad_buffer, value = self._run(
       key, fused, params, state, grad_buffer, args, weight
     )
@@ -636,7 +691,9 @@ class TrainStep:
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory):
     ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
-    (with every_k = 1 either gives the one program, which adds and closes each window)."""
+    (with every_k = 1 either gives the one program, which adds and closes each window). With
+    `axis_name`, ``emit=True`` gives the emitting program, which takes a micro-batch like the
+    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
@@ -645,7 +702,7 @@ class TrainStep:
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
-    if self._cfg.unaccumulated:  # every_k = 1: one program, every call closes its window
+    if self._cfg.unaccumulated or (emit and self._fused_emit):  # grad → add → close
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
     if emit:
       return self._programs[True].lower(params, state)  # the closing program

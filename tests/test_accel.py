@@ -22,7 +22,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._hlo import computations
+from optax_accum import count_collectives
+from optax_accum._hlo import ancestors, computations, placements, shape_bytes
 
 D = 8
 SIZES = (4, 16, 8)  # every weight matrix's dimensions divide by 8 (and by 4 x 2)
@@ -307,3 +308,116 @@ def test_window_check_refuses_the_noise_statistics():
     optax_accum.accumulate(optax.sgd(0.1), 2, skip_nonfinite="window", noise_scale=True)
   with pytest.raises(ValueError, match="skip_nonfinite must be a bool or 'window', got 'x'"):
     optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, skip_nonfinite="x")
+
+
+# ----------------------------------------------------------------------------------------------
+# The reduction overlapped with the last backward pass: TrainStep(axis_name=...)'s emitting
+# program all-reduces the window leaf by leaf.
+
+# XLA:CPU's own pass that merges independent all-reduces into one (`cpu-all-reduce-combiner`):
+# off, the compiled program shows the collectives as the library emits them, in the order the
+# scheduler placed them. On by default, it makes them one all-reduce, the whole tree one bucket
+# (XLA:GPU's combiner groups them up to --xla_gpu_all_reduce_combine_threshold_bytes).
+UNCOMBINED = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+
+
+def _data_parallel_step(mesh, **kw):
+  with jax.set_mesh(mesh):
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, axis_name="data", **kw)
+    params = ref.mlp_params(0, SIZES)
+    return step, params, step.init(params)
+
+
+def _shape(instr) -> str:
+  return instr.shape.split("{")[0]
+
+
+@pytest.mark.parametrize("skip", [True, "window"])
+def test_overlap_emitting_program_reduces_each_leaf_after_its_own_gradient(skip):
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  step, params, state = _data_parallel_step(mesh, skip_nonfinite=skip)
+  x = _batches(1)[0]
+  with jax.set_mesh(mesh):
+    lowered = step.lower(params, state, x, emit=True)
+    text = lowered.compile(compiler_options=UNCOMBINED).as_text()
+    combined = lowered.compile().as_text()
+  assert "is_scheduled=true" in text.splitlines()[0]  # instructions listed in their run order
+  comps, entry = computations(text)
+  body = comps[entry]
+  leaf = {f"f32[{','.join(map(str, p.shape))}]": n for n, p in params.items()}
+  # the per-device accumulator, stacked: f32[1,<leaf shape>] entry parameters, one per leaf
+  acc = {i.name: leaf["f32[" + _shape(i)[6:]] for i in body
+         if i.op == "parameter" and _shape(i).startswith("f32[1,")}  # fmt: skip
+  assert sorted(acc.values()) == sorted(params), acc
+  grads = {i.name: leaf[_shape(i)] for i in body
+           if i.op == "dot" and _shape(i) in leaf and "," in _shape(i)}  # fmt: skip
+  assert sorted(grads.values()) == ["w0", "w1"]  # the weight gradients' dots
+  reductions = {i.name: leaf[_shape(i)] for i in body
+                if i.op == "all-reduce" and _shape(i) in leaf}  # fmt: skip
+  assert sorted(reductions.values()) == sorted(params)  # one per leaf, in the entry
+  position = {i.name: n for n, i in enumerate(body)}
+  for r, name in reductions.items():
+    before = ancestors(body, r)
+    # its own leaf's accumulator and gradient only: no other leaf's, no other all-reduce
+    assert [acc[a] for a in before if a in acc] == [name], (name, before)
+    assert all(grads[d] == name for d in before if d in grads), (name, before)
+    assert not any(position[a] for a in before if a in reductions), name
+  # The last layer's weight is reduced before the first layer's weight gradient (the last
+  # backward op) is computed: in XLA:CPU's schedule it overlaps the rest of the backward pass.
+  # (Where the scheduler puts the others is its choice: they depend on their own leaf only, as
+  # checked above; with the per-micro-batch check it placed b1's just after, measured.)
+  (last_backward,) = [d for d, n in grads.items() if n == "w0"]
+  (w1,) = [r for r, n in reductions.items() if n == "w1"]
+  assert position[w1] < position[last_backward], (position[w1], position[last_backward])
+  assert last_backward not in ancestors(body, w1)
+  # None in a loop; with a per-micro-batch check, the exact reduction in a conditional taken
+  # only when a device dropped the last micro-batch (XLA:CPU's default compile: one bucket)
+  assert count_collectives(text, where="loop") == 0
+  n_branch = len(params) if skip is True else 0
+  assert sum(b > 4 for b in _array_all_reduce_bytes(text, "cond")) == n_branch
+  assert sum(b > 4 for b in _array_all_reduce_bytes(combined, "step")) == 1
+
+
+def _array_all_reduce_bytes(text: str, where: str) -> list[int]:
+  """Each all-reduce's bytes in the computations placed `where` (`_hlo.placements`)."""
+  comps, entry = computations(text)
+  placed = placements(comps, entry)[0]
+  return [shape_bytes(i.shape) for c, instrs in comps.items() if placed.get(c) == where
+          for i in instrs if i.op == "all-reduce"]  # fmt: skip
+
+
+CONFIGS = {
+  "default": (dict(), (3, 5)),  # NaN in the last micro-batch of window 1: the exact fallback
+  "window": (dict(skip_nonfinite="window"), (5,)),  # window 2 dropped whole
+  "noise_scale": (dict(noise_scale=True), (3,)),
+  "bf16_stochastic": (BF16_SR, ()),
+  "every_k_1": (dict(), (2,)),  # device 0 drops its piece, the 7 others' still update
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_overlap_is_bit_identical_to_the_closing_program(config, monkeypatch):
+  kw, nan_at = CONFIGS[config]
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  micro = _batches(8)
+  for i in nan_at:  # device 0's rows of this micro-batch: device 0 drops its piece
+    micro[i] = {**micro[i], "x": micro[i]["x"].copy()}
+    micro[i]["x"][0, 0] = np.nan
+  k = 1 if config == "every_k_1" else 4
+  runs = {}
+  for overlap in (False, True):
+    monkeypatch.setattr(optax_accum._train_step, "OVERLAP_WITH_AXIS", overlap)
+    with jax.set_mesh(mesh):
+      step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, k, axis_name="data", **kw)
+      params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+      state = step.init(params)
+      for x in micro:
+        params, state, _ = step(params, state, x)
+    runs[overlap] = jax.device_get((params, state))
+    assert len(step._compiled[next(iter(step._compiled))]) == (1 if k == 1 else 2)
+  chex.assert_trees_all_equal(runs[True], runs[False])
+  state = runs[True][1]
+  assert int(state.gradient_step) == {"window": 1, "every_k_1": 8}.get(config, 2)
+  assert int(state.num_skipped.sum()) == {"window": 4 * D, "bf16_stochastic": 0}.get(
+    config, len(nan_at)
+  )  # window: every device counts the dropped window
