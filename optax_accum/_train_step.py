@@ -153,6 +153,8 @@ class TrainStep:
   the accumulating program (gradient → add), and a window's last call then runs the closing
   program (inner update → apply, on the parameters and the state only), so the backward pass
   is compiled once, at the price of one more dispatch per window (every_k=1: one program).
+  With `axis_name` the window's last call instead runs one emitting program (gradient → add →
+  all-reduce leaf by leaf → update → apply), so the reduction can overlap the backward pass.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -178,6 +180,9 @@ class TrainStep:
     skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients;
       "window": check each window's sums once, at emission, so that the accumulating program
       reads each gradient once (use it with ``grad_buffer=False``, a second reader on CPU).
+      With `noise_scale`, ``|g|²`` then comes from the window's last micro-batch only, read by
+      the emitting micro-step, which then runs one program (gradient → add → close) instead
+      of the accumulating and the closing ones.
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
       default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap
@@ -192,7 +197,10 @@ class TrainStep:
     axis_name: the data-parallel mesh axis, under plain `jax.jit` with a mesh in effect
       (`jax.set_mesh`) or given as `mesh`: each device takes its share of every micro-batch
       (every array of `args` is split along axis 0), keeps its gradients local and adds them
-      to its own partial sums; the closing program all-reduces the sums once per window.
+      to its own partial sums; the emitting micro-step runs one program that computes the
+      last gradient and all-reduces the window leaf by leaf, once per window, so that each
+      leaf's all-reduce can overlap the rest of the backward pass (the closing program is not
+      used: the backward pass is compiled into both programs).
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
       (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
@@ -289,7 +297,10 @@ class TrainStep:
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     # Whether the emitting micro-step is one program (grad → add → close) rather than the
     # accumulating program followed by the closing one.
-    self._fused_emit = self._cfg.unaccumulated or (axis.stacks and OVERLAP_WITH_AXIS)
+    # With skip_nonfinite="window" and the noise statistics, the emitting program reads the
+    # window's last gradient for them (`_accumulate.sampled_sq_norm`).
+    sampled = self._cfg.window_check and self._cfg.noise
+    self._fused_emit = self._cfg.unaccumulated or (axis.stacks and OVERLAP_WITH_AXIS) or sampled
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
@@ -462,7 +473,7 @@ class TrainStep:
       weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
     except (TypeError, ValueError) as e:
       raise _in_trainstep_words(e) from None
-    sq = _accumulate.sq_norm(cfg, grads)  # with noise_scale: also the finite check
+    sq = _accumulate.sq_norm(cfg, grads, state, emit)  # with noise_scale: also the finite check
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
     noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)

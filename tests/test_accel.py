@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -303,11 +304,79 @@ def test_window_check_equals_the_per_micro_batch_check_and_drops_whole_windows()
   assert (int(opt.num_skipped), int(opt.gradient_step)) == (4, 1)
 
 
-def test_window_check_refuses_the_noise_statistics():
-  with pytest.raises(ValueError, match="skip_nonfinite='window' reads each gradient once"):
-    optax_accum.accumulate(optax.sgd(0.1), 2, skip_nonfinite="window", noise_scale=True)
+def test_window_check_bad_value():
   with pytest.raises(ValueError, match="skip_nonfinite must be a bool or 'window', got 'x'"):
     optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, skip_nonfinite="x")
+
+
+# ----------------------------------------------------------------------------------------------
+# noise_scale=True with skip_nonfinite="window": |g|² from the window's last micro-batch.
+
+WINDOW_NOISE = dict(skip_nonfinite="window", noise_scale=True)
+
+
+def _window_estimates(kw: dict, grads: jax.Array, weights: jax.Array, order: jax.Array):
+  """One window's (T, Q) from `accumulate` (the device-decided protocol path), the micro-batches
+  taken in `order`."""
+  tx = optax_accum.accumulate(optax.identity(), grads.shape[0], **kw)
+
+  def body(state, gw):
+    return tx.update(gw[0], state, weight=gw[1])[1], None
+
+  state, _ = lax.scan(body, tx.init(grads[0]), (grads[order], weights[order]))
+  measured = optax_accum.noise_scale(state)
+  return measured.window_trace_cov, measured.window_grad_sq
+
+
+def test_window_noise_scale_is_unbiased_against_the_exact_estimator():
+  """Over the order of a window's micro-batches (shuffled data), the one-read estimates of T and
+  Q average to the exact estimator's: the last micro-batch is each one with probability 1/k."""
+  k, n, seeds = 4, 256, 20000
+  rng = np.random.default_rng(0)
+  grads = jnp.asarray(0.3 + rng.normal(size=(k, n)), jnp.float32)  # signal 0.3, noise 1
+  weights = jnp.asarray([1.0, 2.0, 3.0, 6.0])  # unequal: the estimate is n·w_k|g_k|²
+  exact = _window_estimates(dict(noise_scale=True), grads, weights, jnp.arange(k))
+  orders = jax.vmap(lambda key: jax.random.permutation(key, k))(
+    jax.random.split(jax.random.key(1), seeds)
+  )
+  sampled = jax.jit(jax.vmap(lambda o: _window_estimates(WINDOW_NOISE, grads, weights, o)))(orders)
+  for name, want, got in zip(("T", "Q"), exact, sampled, strict=True):
+    got = np.asarray(got, np.float64)
+    se = got.std() / np.sqrt(seeds)
+    tol = 0.02 * abs(float(want))  # 2% of the exact figure; 3 SE fit in it
+    assert 3 * se < tol, (name, se, tol)
+    assert abs(got.mean() - float(want)) < tol, (name, got.mean(), float(want), se)
+    assert got.std() > 0.1 * abs(float(want)), name  # a real sample, not the exact figure
+
+
+def test_window_noise_scale_accumulating_program_reads_each_gradient_once():
+  params = ref.mlp_params(0, SIZES)
+  x = _batches(1)[0]
+  shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values() if p.ndim == 2}
+  step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, grad_buffer=False, **WINDOW_NOISE)
+  state = step.init(params)
+  for emit, users in ((False, 1), (True, 2)):  # the emitting program also reads |g_k|²
+    body = (lambda c: c[0][c[1]])(computations(step.lower(params, state, x, emit=emit)
+                                               .compile().as_text()))  # fmt: skip
+    grads = [i for i in body if i.op == "dot" and i.shape.split("{")[0] in shapes]
+    assert len(grads) == 2, [(i.name, i.shape) for i in grads]
+    assert [len(_users(body, g.name)) for g in grads] == [users] * 2, emit
+  # and it measures: the same windows as the protocol path with static emission
+  micro = _batches(8)
+  p = jax.tree.map(jnp.asarray, params)
+  tx = optax_accum.accumulate(ref.ADAM, 4, **WINDOW_NOISE)
+  update = jax.jit(tx.update, static_argnames="emit")
+  opt = tx.init(p)
+  for i, b in enumerate(micro):
+    updates, opt = update(jax.grad(ref.mlp_loss)(p, b), opt, p, emit=i % 4 == 3)
+    p = optax.apply_updates(p, updates)
+  got_p, got = jax.tree.map(jnp.asarray, params), step.init(params)
+  for b in micro:
+    got_p, got, _ = step(got_p, got, b)
+  want_ns, got_ns = optax_accum.noise_scale(opt), optax_accum.noise_scale(got)
+  assert np.isfinite(float(got_ns.trace_cov))
+  chex.assert_trees_all_close(got_ns, want_ns, rtol=1e-5)  # float32 rounding of two programs
+  chex.assert_trees_all_close(got_p, p, rtol=1e-6, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,6 +461,7 @@ CONFIGS = {
   "noise_scale": (dict(noise_scale=True), (3,)),
   "bf16_stochastic": (BF16_SR, ()),
   "every_k_1": (dict(), (2,)),  # device 0 drops its piece, the 7 others' still update
+  "window_noise": (WINDOW_NOISE, ()),
 }
 
 
