@@ -131,8 +131,9 @@ def _check_live(params: Any, state: Any) -> None:
         raise ValueError(
           f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
           "to an earlier call (TrainStep donates the parameters and the state, donate=True) "
-          "or deleted. Pass the parameters and the state that the last call returned, or "
-          "build TrainStep with donate=False to keep your arrays."
+          "or deleted. Pass the parameters (or module) and the state that the last call "
+          "returned (`params, state, loss = step(params, state, batch)`), or build TrainStep "
+          "with donate=False to keep your arrays (each micro-step then copies the parameters)."
         )
 
 
@@ -172,7 +173,13 @@ class TrainStep:
       parameters are the same kind of object. With `optax.lookahead` the parameters are
       ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
     donate: donate the parameters and the optimizer state to each call (the default; the
-      arrays you pass in are invalid afterwards, as with any donating training step).
+      arrays you pass in are invalid afterwards, as with any donating training step): rebind
+      what a call returns, ``params, state, loss = step(params, state, batch)``. An Equinox
+      module passed in is deleted with them: reading its arrays afterwards raises JAX's
+      ``RuntimeError: Array has been deleted``, and passing it again raises this class's
+      `ValueError` naming the leaf and ``donate=False``. ``donate=False`` keeps your arrays,
+      at a price: every micro-step then writes a new copy of the parameters (an output equal
+      to an input that is not donated is a copy), which costs about half a plain step more.
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
