@@ -179,7 +179,7 @@ class TrainStep:
       ``RuntimeError: Array has been deleted``, and passing it again raises this class's
       `ValueError` naming the leaf and ``donate=False``. ``donate=False`` keeps your arrays,
       at a price: every micro-step then writes a new copy of the parameters (an output equal
-      to an input that is not donated is a copy), which costs about half a plain step more.
+      to an input that is not donated is a copy).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
