@@ -303,11 +303,13 @@ class TrainStep:
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     # Whether the emitting micro-step is one program (grad → add → close) rather than the
-    # accumulating program followed by the closing one.
-    # With skip_nonfinite="window" and the noise statistics, the emitting program reads the
-    # window's last gradient for them (`_accumulate.sampled_sq_norm`).
+    # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
+    # window it reduces leaf by leaf (`_close_leafwise`); with skip_nonfinite="window" and the
+    # noise statistics, which it reads from the window's last gradient
+    # (`_accumulate.sampled_sq_norm`). Fixed here, for the programs' whole life.
+    self._leafwise = axis.stacks and OVERLAP_WITH_AXIS
     sampled = self._cfg.window_check and self._cfg.noise
-    self._fused_emit = self._cfg.unaccumulated or (axis.stacks and OVERLAP_WITH_AXIS) or sampled
+    self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
@@ -486,7 +488,7 @@ class TrainStep:
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
-      if cfg.axis.stacks and OVERLAP_WITH_AXIS:
+      if self._leafwise:
         closed = self._close_leafwise(grads, state, weight, window, dropped, can_be_empty)
       else:
         closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
