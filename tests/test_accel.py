@@ -383,11 +383,12 @@ def test_window_noise_scale_accumulating_program_reads_each_gradient_once():
 # The reduction overlapped with the last backward pass: TrainStep(axis_name=...)'s emitting
 # program all-reduces the window leaf by leaf.
 
-# XLA:CPU's own pass that merges independent all-reduces into one (`cpu-all-reduce-combiner`):
+# XLA:CPU's own pass that merges independent all-reduces into one (`cpu-all-reduce-combiner`;
+# older XLA: `all-reduce-combiner`):
 # off, the compiled program shows the collectives as the library emits them, in the order the
 # scheduler placed them. On by default, it makes them one all-reduce, the whole tree one bucket
 # (XLA:GPU's combiner groups them up to --xla_gpu_all_reduce_combine_threshold_bytes).
-UNCOMBINED = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner"}
+UNCOMBINED = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,all-reduce-combiner"}
 
 
 def _data_parallel_step(mesh, **kw):
