@@ -12,7 +12,9 @@
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
-#                                      # (84 s on a shared 2-core CPU, load 5.4 before, 2026-12-01)
+#                                      # (216 s on a shared 2-core CPU, load 6.3 at the
+#                                      # start, 2026-12-02: accel.py's phase, 199 s, is the
+#                                      # longest of the three, which run side by side)
 #
 # The dry run checks that every section and path runs and writes its files, nothing more: its
 # cost is compiling ~100 small XLA programs, so its sizes are the smallest that run every path
