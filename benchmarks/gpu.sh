@@ -2,14 +2,19 @@
 # One GPU, at most 8 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
 # TrainStep, both emission modes), the within-step section, the noise-scale cost, TrainStep's
 # compile time, issue 33's modes (benchmarks/accel.py: TrainStep per micro-step with each
-# accumulator, the protocol path's device conditional against static emit= and TrainStep, and
-# whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO),
-# then the language model's tokens/s at a size that keeps the GPU busy. Writes
-# benchmarks/results/gpu/ (bench tables and plots, compile.md, accel.md, lm/).
+# accumulator, the protocol path's device conditional against static emit= and TrainStep,
+# whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO, the
+# price of the reduction overlapped with the last backward pass — compile seconds and time per
+# micro-step against the closing program, on the GPUs when several are lent, else on 8 host CPU
+# devices — and the byte LM's final loss with each accumulator), then the language model's
+# tokens/s at a size that keeps the GPU busy. Writes benchmarks/results/gpu/ (bench tables and
+# plots, compile.md, accel.md, lm/).
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
-#                                      # (84 s on a shared 2-core CPU, load 5.4 before, 2026-12-01)
+#                                      # (216 s on a shared 2-core CPU, load 6.3 at the
+#                                      # start, 2026-12-02: accel.py's phase, 199 s, is the
+#                                      # longest of the three, which run side by side)
 #
 # The dry run checks that every section and path runs and writes its files, nothing more: its
 # cost is compiling ~100 small XLA programs, so its sizes are the smallest that run every path
@@ -21,8 +26,8 @@ start=$SECONDS
 scale=gpu_short
 out=benchmarks/results/gpu
 lm=(--size gpu)
-limit=(timeout 320)  # each phase has its own limit: the whole stays within 8 minutes
-accel_limit=(timeout 40)  # (320 + 40 + 120 s)
+limit=(timeout 280)  # each phase has its own limit: the whole stays within 8 minutes
+accel_limit=(timeout 80)  # (280 + 80 + 120 s; not yet run on a GPU: the limits are estimates)
 accel=()
 lm_limit=(timeout 120)
 if [[ "${1:-}" == "--dry-run" ]]; then
@@ -43,19 +48,21 @@ fi
 python -c "import jax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind)"
 bench=("${limit[@]}" python benchmarks/bench.py --scale "$scale"
   --only cross,emission,noise,within,compile --out "$out")
-accel_run=("${accel_limit[@]}" python benchmarks/accel.py "${accel[@]}" --only microstep,fusion
-  --out "$out")
+accel_run=("${accel_limit[@]}" python benchmarks/accel.py "${accel[@]}"
+  --only microstep,fusion,overlap,lm --out "$out")
 lm_run=("${lm_limit[@]}" python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm")
 if [[ "$scale" == gpu_dry_run ]]; then
-  # Both phases at once: each is mostly single-threaded XLA compilation, and a CPU has 2+ cores.
+  # The three phases at once: each is mostly single-threaded XLA compilation.
   "${bench[@]}" &
   bench_pid=$!
+  "${accel_run[@]}" &
+  accel_pid=$!
   if ! "${lm_run[@]}"; then
-    kill "$bench_pid" 2>/dev/null || true
+    kill "$bench_pid" "$accel_pid" 2>/dev/null || true
     exit 1
   fi
   wait "$bench_pid"
-  "${accel_run[@]}"
+  wait "$accel_pid"
 else
   "${bench[@]}"
   "${accel_run[@]}"

@@ -256,7 +256,7 @@ def make_config(
   if not isinstance(noise_scale, bool):
     raise TypeError(f"noise_scale must be a bool, got {noise_scale!r}.")
   follows = isinstance(every_k, _noise.FollowNoiseScale)
-  window = _core.check_skip_window(skip_nonfinite, noise_scale or follows)
+  window = _core.check_skip_window(skip_nonfinite)
   if not callable(every_k) and not follows:
     every_k = _checks.positive_int(
       every_k,
@@ -525,11 +525,37 @@ SQ_NORM_IS_FINITE_CHECK = True
 SUMS_SQ_READ = "closing"
 
 
-def sq_norm(cfg: Config, grads: Any) -> jax.Array | None:
+def sq_norm(
+  cfg: Config, grads: Any, state: Any = None, emit: bool | None = None, force_emit: Any = False
+) -> jax.Array | None:
   """With the noise statistics, the micro-batch's ``Σ|g|²`` (`_noise.sq_norm`), read once: it
   is both the noise statistics' term and the finite check (`_core.finite_from_sq_norm`).
-  None without them."""
-  return _noise.sq_norm(grads, _over_shards(cfg)) if cfg.noise else None
+  None without them. With ``skip_nonfinite="window"``, `sampled_sq_norm` (`state`, `emit`,
+  `force_emit`: where the micro-step is in its window)."""
+  if not cfg.noise:
+    return None
+  if cfg.window_check:
+    return sampled_sq_norm(cfg, grads, state, emit, force_emit)
+  return _noise.sq_norm(grads, _over_shards(cfg))
+
+
+def sampled_sq_norm(
+  cfg: Config, grads: Any, state: AccumulateState, emit: bool | None, force_emit: Any
+) -> jax.Array:
+  """The noise statistics' term when each gradient is read once (``skip_nonfinite="window"``):
+  only the window's last micro-batch is read, ``n·|g_n|²`` with n its micro-batches so far
+  (``mini_step + 1``); the others add 0 (their weight and count still add up). ``n·w_n|g_n|²``
+  is an unbiased estimate of the window's ``Σ wᵢ|gᵢ|²`` over the order of its micro-batches
+  (shuffled data: the last one is each of them with probability 1/n), so T and Q stay unbiased
+  (`_noise.window_stats`) with more variance. The k−1 other micro-steps never read the gradient
+  a second time: with static emission (``emit=False``, `TrainStep`) their programs hold no
+  read at all; with a device conditional the read sits in the branch that closes the window."""
+  n = (state.mini_step + 1).astype(jnp.float32)
+  zero = jnp.zeros((), jnp.float32)
+  read = lambda g: _noise.sq_norm(g, _over_shards(cfg)) * n  # noqa: E731
+  if emit is not None:
+    return read(grads) if emit else zero
+  return _collectives.cond(closes_window(cfg, state, force_emit), read, lambda g: zero, grads)
 
 
 def _over_shards(cfg: Config) -> Any:
@@ -767,9 +793,13 @@ def _no_update(finish: Finish, window: Window) -> tuple[Any, ...]:
   return finish.empty(window.params, window.sums), window.inner_state, window.noise
 
 
-def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Window) -> Closed:
+def close_window(
+  cfg: Config, like: Any, finish: Finish, guard: bool, window: Window, reduced: bool = False
+) -> Closed:
   """The emitting step: one all-reduce across devices (the sums, the total weight and the
   noise partials together), then the inner update unless the window holds no weight.
+  `reduced`: `window` is global already (`TrainStep`'s emitting program with an axis, which
+  reduces leaf by leaf): no all-reduce here.
 
   `like` (the micro-batch gradients) is read only for its dtypes and device variance.
   `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
@@ -778,7 +808,7 @@ def close_window(cfg: Config, like: Any, finish: Finish, guard: bool, window: Wi
   """
   local = window.noise
   guard = guard and not _checks.holds_private_state(window.inner_state)  # noise always added
-  window = _global(cfg, window, like)
+  window = window if reduced else _global(cfg, window, like)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if not guard:
     closed = Closed(*apply(window), jnp.asarray(True))
@@ -992,7 +1022,7 @@ def update(
   """`accumulate`'s update: the optax protocol, read top-down (`updates` are gradients)."""
   grads = updates
   weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
-  sq = sq_norm(cfg, grads)
+  sq = sq_norm(cfg, grads, state, emit, force_emit)
   sums, total, dropped = add(cfg, grads, state, weight, sq)
   noise = add_noise(cfg, grads, state, weight, dropped, sq)
   if cfg.unaccumulated:
@@ -1146,7 +1176,9 @@ def accumulate(
       the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
       piece on every shard). "window": no check per micro-step (each gradient is read once,
       by the add); at emission a window whose (global) sums hold a NaN or Inf is dropped
-      whole, its micro-batches counted in `num_skipped`. Not with `noise_scale`.
+      whole, its micro-batches counted in `num_skipped`. With `noise_scale`, ``|g|²`` is then
+      read from the window's last micro-batch only (`sampled_sq_norm`: unbiased over the order
+      of the micro-batches, noisier than reading every one).
     axis_name: the data-parallel axis to reduce the sums and weights over, once, on the
       emitting step only: inside `shard_map`/`pmap`, or in a step bound by
       `optax_accum.data_parallel` under plain `jax.jit`. The gradients must be device-local:

@@ -258,15 +258,18 @@ def data_axis(s: Setup) -> Any:
 def reductions(s: Setup, text: str, where: str = "all") -> int:
   """Gradient reductions of a compiled program: all-reduces and reduce-scatters of at least
   `GRAD_MIN_BYTES` across the data axis (a model axis's reductions of activations are not
-  counted); ``where="loop"``: only those inside a while loop."""
+  counted); ``where="loop"``: only those inside a while loop; ``"unconditional"``: not those
+  in a conditional's branches (run only when taken)."""
   comps, entry = _hlo.computations(text)
   roots = [entry]
   if where == "loop":
     roots = [c for ops in comps.values() for i in ops if i.op == "while" for c in _hlo.callees(i)]
+  placed = _hlo.placements(comps, entry)[0] if where == "unconditional" else {}
   axis = data_axis(s)
   return sum(
     _hlo.shape_bytes(i.shape) >= GRAD_MIN_BYTES and _crosses(_groups(i.rest), s.mesh, axis)
     for c in _hlo.reachable(comps, roots)
+    if placed.get(c) != "cond"
     for i in comps[c]
     if i.op in REDUCTIONS or i.op.removesuffix("-start") in REDUCTIONS and i.op.endswith("-start")
   )

@@ -331,6 +331,13 @@ class Axis(NamedTuple):
     """Sums every leaf over the axis (one fused all-reduce)."""
     return lax.psum(self.to_varying(tree), self.name)
 
+  def reduce_leaves(self, tree: Any) -> Any:
+    """Sums each leaf over the axis in an all-reduce of its own, which depends on that leaf
+    only: XLA's scheduler can start it as soon as the leaf exists (e.g. while the backward
+    pass computes the gradients of earlier layers), where one fused all-reduce of the whole
+    tree waits for its last leaf."""
+    return jax.tree.map(lambda x: lax.psum(self.to_varying(x), self.name), tree)
+
   def reduce_window(
     self, sums: Any, total: jax.Array, like: Any, reduction: Reduction
   ) -> tuple[Any, jax.Array]:
@@ -411,6 +418,9 @@ class NoAxis(NamedTuple):
     return tree
 
   per_device = this_device = reduce = to_varying
+
+  def reduce_leaves(self, tree: Any) -> Any:
+    return tree
 
   def reduce_window(
     self, sums: Any, total: jax.Array, like: Any, reduction: Reduction

@@ -103,20 +103,12 @@ def check_rounding(rounding: Any, accum_dtype: Any) -> str | None:
   return rounding
 
 
-def check_skip_window(skip_nonfinite: Any, noise_scale: bool) -> bool:
-  """Whether `skip_nonfinite` is "window" (checked: a bool or "window"; "window" refuses the
-  noise statistics, whose per-micro-batch squared norm is a second read of each gradient)."""
+def check_skip_window(skip_nonfinite: Any) -> bool:
+  """Whether `skip_nonfinite` is "window" (checked: a bool or "window")."""
   if not isinstance(skip_nonfinite, str):
     return False
   if skip_nonfinite != "window":
     raise ValueError(f"skip_nonfinite must be a bool or 'window', got {skip_nonfinite!r}.")
-  if noise_scale:
-    raise ValueError(
-      "skip_nonfinite='window' reads each gradient once (the add into the accumulator), but "
-      "noise_scale=True (or FollowNoiseScale) reads every micro-batch's |g|^2 as well. Use "
-      "skip_nonfinite=True with the noise statistics (their squared norm is then also the "
-      "finite check), or noise_scale=False."
-    )
   return True
 
 

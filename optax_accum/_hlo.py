@@ -4,7 +4,9 @@
 ``.memory_analysis()``, XLA's byte accounting. This module turns them into the facts the
 library's structure guards and benchmarks are about:
 
-* `computations` — the module split into computations of parsed instructions;
+* `computations` — the module split into computations of parsed instructions (in a scheduled
+  module, ``is_scheduled=true``, each computation's instructions are in their run order);
+  `operands` and `ancestors` — what an instruction depends on;
 * `count_collectives`, `conditional_branches` — collectives per program, per loop body, per
   branch of a conditional (one all-reduce per update, none inside a loop);
 * `hlo_stats` — copies, conditionals, loops, fusions and collectives, each placed by how often
@@ -88,6 +90,35 @@ def computations(hlo_text: str) -> tuple[dict[str, list[Instruction]], str | Non
     elif (instr := parse_instruction(stripped)) is not None:
       comps[current].append(instr)
   return comps, entry
+
+
+_OPERAND = re.compile(r"%([\w.\-]+)")
+
+
+def operands(instr: Instruction) -> list[str]:
+  """The names of an instruction's operands (its argument list, not the computations it
+  calls)."""
+  depth = 1
+  for end, c in enumerate(instr.rest):  # the argument list ends at its closing parenthesis
+    depth += c in "([{"
+    depth -= c in ")]}"
+    if depth == 0:
+      return _OPERAND.findall(instr.rest[:end])
+  return _OPERAND.findall(instr.rest)
+
+
+def ancestors(instrs: list[Instruction], name: str) -> set[str]:
+  """Every instruction of one computation that `name` depends on, directly or not (its
+  operands, theirs, ...): what must have run before it, in any schedule."""
+  by_name = {i.name: i for i in instrs}
+  seen: set[str] = set()
+  todo = [name]
+  while todo:
+    for o in operands(by_name[todo.pop()]):
+      if o not in seen and o in by_name:
+        seen.add(o)
+        todo.append(o)
+  return seen
 
 
 def callees(instr: Instruction) -> list[str]:

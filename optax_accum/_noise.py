@@ -69,6 +69,8 @@ class NoiseState(NamedTuple):
 
   # Σ wᵢ|gᵢ|² over the open window's kept micro-batches; under an axis, this device's part.
   # Stale after `close` until the next `add` restarts it (lazy reset, as the accumulator).
+  # With skip_nonfinite="window" (each gradient read once), its estimate n·w_n|g_n|² from the
+  # window's last micro-batch alone, added when the window closes (`_accumulate.sampled_sq_norm`).
   sq_sum: jax.Array  # shape=(), dtype=jnp.float32
   count: jax.Array  # shape=(), dtype=jnp.float32: kept micro-batches (per device, likewise)
   # Σ wᵢ of the open window's kept micro-batches in units of the statistics (see `add`): the W

@@ -14,6 +14,12 @@ application real memory passes and on GPU makes the host wait for the predicate
   compiled once (two programs compile in about the time of the protocol path's one), for one
   more dispatch per window. With every_k = 1 (no accumulator) one program does
   ``grad → add → close_window → advance``;
+* with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
+  all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
+  that leaf only (`_close_leafwise`), so XLA's scheduler can start it while the backward pass
+  still computes the gradients of earlier layers (what PyTorch DDP's buckets do after
+  ``no_sync``), instead of all-reducing the whole window after the whole backward pass. The
+  price: the backward pass is compiled twice (`benchmarks/accel.py`'s `overlap` section);
 
 and keeps the window position on the host, so dispatch never waits for the device.
 """
@@ -33,11 +39,17 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _batch, _checks, _gspmd, _noise, _sharding
+from optax_accum import _accumulate, _batch, _checks, _collectives, _gspmd, _noise, _sharding
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+
+# With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
+# all-reduces the window leaf by leaf (True), or the accumulating program and then the closing
+# program, which all-reduces the state's sums in one collective (False: the control of
+# `tests/test_accel.py` and `benchmarks/accel.py`; it compiles the backward pass once).
+OVERLAP_WITH_AXIS = True
 
 INSIDE_JIT = (
   "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
@@ -119,8 +131,9 @@ def _check_live(params: Any, state: Any) -> None:
         raise ValueError(
           f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
           "to an earlier call (TrainStep donates the parameters and the state, donate=True) "
-          "or deleted. Pass the parameters and the state that the last call returned, or "
-          "build TrainStep with donate=False to keep your arrays."
+          "or deleted. Pass the parameters (or module) and the state that the last call "
+          "returned (`params, state, loss = step(params, state, batch)`), or build TrainStep "
+          "with donate=False to keep your arrays (each micro-step then copies the parameters)."
         )
 
 
@@ -141,6 +154,8 @@ class TrainStep:
   the accumulating program (gradient → add), and a window's last call then runs the closing
   program (inner update → apply, on the parameters and the state only), so the backward pass
   is compiled once, at the price of one more dispatch per window (every_k=1: one program).
+  With `axis_name` the window's last call instead runs one emitting program (gradient → add →
+  all-reduce leaf by leaf → update → apply), so the reduction can overlap the backward pass.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -158,7 +173,13 @@ class TrainStep:
       parameters are the same kind of object. With `optax.lookahead` the parameters are
       ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
     donate: donate the parameters and the optimizer state to each call (the default; the
-      arrays you pass in are invalid afterwards, as with any donating training step).
+      arrays you pass in are invalid afterwards, as with any donating training step): rebind
+      what a call returns, ``params, state, loss = step(params, state, batch)``. An Equinox
+      module passed in is deleted with them: reading its arrays afterwards raises JAX's
+      ``RuntimeError: Array has been deleted``, and passing it again raises this class's
+      `ValueError` naming the leaf and ``donate=False``. ``donate=False`` keeps your arrays,
+      at a price: every micro-step then writes a new copy of the parameters (an output equal
+      to an input that is not donated is a copy).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
@@ -166,6 +187,9 @@ class TrainStep:
     skip_nonfinite: as for `accumulate`: drop (and count) micro-batches with NaN/Inf gradients;
       "window": check each window's sums once, at emission, so that the accumulating program
       reads each gradient once (use it with ``grad_buffer=False``, a second reader on CPU).
+      With `noise_scale`, ``|g|²`` then comes from the window's last micro-batch only, read by
+      the emitting micro-step, which then runs one program (gradient → add → close) instead
+      of the accumulating and the closing ones.
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
       default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap
@@ -180,7 +204,10 @@ class TrainStep:
     axis_name: the data-parallel mesh axis, under plain `jax.jit` with a mesh in effect
       (`jax.set_mesh`) or given as `mesh`: each device takes its share of every micro-batch
       (every array of `args` is split along axis 0), keeps its gradients local and adds them
-      to its own partial sums; the closing program all-reduces the sums once per window.
+      to its own partial sums; the emitting micro-step runs one program that computes the
+      last gradient and all-reduces the window leaf by leaf, once per window, so that each
+      leaf's all-reduce can overlap the rest of the backward pass (the closing program is not
+      used: the backward pass is compiled into both programs).
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
       (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
       are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
@@ -275,6 +302,14 @@ class TrainStep:
       grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
     self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
     self._donate_argnums = (0, 1, 2) if donate else (2,)
+    # Whether the emitting micro-step is one program (grad → add → close) rather than the
+    # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
+    # window it reduces leaf by leaf (`_close_leafwise`); with skip_nonfinite="window" and the
+    # noise statistics, which it reads from the window's last gradient
+    # (`_accumulate.sampled_sq_norm`). Fixed here, for the programs' whole life.
+    self._leafwise = axis.stacks and OVERLAP_WITH_AXIS
+    sampled = self._cfg.window_check and self._cfg.noise
+    self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
@@ -286,14 +321,17 @@ class TrainStep:
     self._last_state: Any = None
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
-    """The two programs, by `emit`: the accumulating one (False) and, with every_k = 1, the
-    one that adds and closes each window (True); else True is the closing program, which the
-    emitting micro-step runs after the accumulating one (`_close`)."""
+    """The two programs, by `emit`: the accumulating one (False) and the emitting one (True):
+    with every_k = 1 (then the only one) or with `axis_name` (`_fused_emit`), the one that
+    computes the last gradient, adds and closes the window; else the closing program, which
+    the emitting micro-step runs after the accumulating one (`_close`)."""
     kw = {} if out_shardings is None else {"out_shardings": out_shardings}
     self._compiled = {}
     step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
     if self._cfg.unaccumulated:
       return {True: step(functools.partial(self._step, emit=True))}
+    if self._fused_emit:
+      return {e: step(functools.partial(self._step, emit=e)) for e in (False, True)}
     kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
     donate = (0, 1) if 0 in self._donate_argnums else ()
     return {
@@ -444,19 +482,55 @@ class TrainStep:
       weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
     except (TypeError, ValueError) as e:
       raise _in_trainstep_words(e) from None
-    sq = _accumulate.sq_norm(cfg, grads)  # with noise_scale: also the finite check
+    sq = _accumulate.sq_norm(cfg, grads, state, emit)  # with noise_scale: also the finite check
     sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
     noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
     window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
       can_be_empty = _accumulate.can_be_empty(cfg, weight)
-      closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
+      if self._leafwise:
+        closed = self._close_leafwise(grads, state, weight, window, dropped, can_be_empty)
+      else:
+        closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
       params, sums = closed.out
       params = _batch.restore_static(params, hidden)
     else:
       closed = _accumulate.keep_open(_accumulate.APPLY, window)
     state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
     return (params if emit else hidden), state, grad_buffer, value
+
+  def _close_leafwise(self, grads, state, weight, window, dropped, guard) -> _accumulate.Closed:
+    """The emitting program's window, global, with the sums all-reduced leaf by leaf: each
+    leaf's all-reduce reads ``acc + w·g`` of that leaf only, so it can start as soon as its
+    gradient exists. The scalars (total weight, drop count, noise partials) take one small
+    all-reduce of their own. A per-micro-batch finite check (`skip_nonfinite=True`) reads every
+    leaf, so the sums are reduced without it; if any device dropped this micro-batch, a
+    conditional reduces the checked sums again (exact, rare: an update with a non-finite last
+    micro-batch pays a second all-reduce)."""
+    cfg = self._cfg
+    axis = cfg.axis
+    # acc + w·g: without the finite check (the weight's own check is a scalar)
+    optimistic = _accumulate.add(cfg._replace(skip_nonfinite=False), grads, state, weight)[0]
+    sums = axis.reduce_leaves(optimistic)
+    local = window.noise
+    partials = () if local is None else _noise.partials(local)
+    # (one all-reduce: the drop count as float32, like the total)
+    total, drops, partials = axis.reduce((window.total, dropped.astype(jnp.float32), partials))
+    if cfg.skip_nonfinite:
+      added = state._replace(inner_state=None, noise=None)  # what `add` reads of the state
+
+      def checked(operands):
+        g, s, w, _ = operands
+        return axis.reduce_leaves(_accumulate.add(cfg, g, s, w)[0])
+
+      operands = (grads, added, weight, sums)
+      sums = _collectives.cond(drops > 0, checked, lambda ops: ops[-1], operands)
+    noise = None if local is None else _accumulate._with_partials(local, partials)
+    window = window._replace(sums=sums, total=total, noise=noise)
+    closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, guard, window, reduced=True)
+    # The noise partials stay this device's (spent: the next add restarts them).
+    mine = _accumulate._noise_partials(local)
+    return closed._replace(noise=_accumulate._with_partials(closed.noise, mine))
 
   def _close(self, params: Any, state: Any) -> tuple[Any, Any]:
     """The closing program: the window the accumulating program has just added the last
@@ -557,13 +631,14 @@ class TrainStep:
 
   def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
     """Runs the accumulating program, and on an emitting micro-step the closing one after it
-    (with every_k = 1 the one program that adds and closes): compiled together on the first
+    (with every_k = 1 or `axis_name`, the one program that adds and closes instead): compiled
+    together on the first
     call with these argument types (`compile`), or, for inputs unlike those they were
     compiled for, through `jax.jit`."""
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    fused = emit and self._cfg.unaccumulated
+    fused = emit and self._fused_emit
     params, state, grad_buffer, value = self._run(
       key, fused, params, state, grad_buffer, args, weight
     )
@@ -635,7 +710,9 @@ class TrainStep:
     """Lowers one of the two programs (for inspection: ``.compile().as_text()``, memory):
     ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
-    (with every_k = 1 either gives the one program, which adds and closes each window)."""
+    (with every_k = 1 either gives the one program, which adds and closes each window). With
+    `axis_name`, ``emit=True`` gives the emitting program, which takes a micro-batch like the
+    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
@@ -644,7 +721,7 @@ class TrainStep:
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
-    if self._cfg.unaccumulated:  # every_k = 1: one program, every call closes its window
+    if self._cfg.unaccumulated or (emit and self._fused_emit):  # grad → add → close
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
     if emit:
       return self._programs[True].lower(params, state)  # the closing program

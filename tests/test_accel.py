@@ -18,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum._hlo import computations
+from optax_accum import count_collectives
+from optax_accum._hlo import ancestors, computations, placements, shape_bytes
 
 D = 8
 SIZES = (4, 16, 8)  # every weight matrix's dimensions divide by 8 (and by 4 x 2)
@@ -302,8 +304,191 @@ def test_window_check_equals_the_per_micro_batch_check_and_drops_whole_windows()
   assert (int(opt.num_skipped), int(opt.gradient_step)) == (4, 1)
 
 
-def test_window_check_refuses_the_noise_statistics():
-  with pytest.raises(ValueError, match="skip_nonfinite='window' reads each gradient once"):
-    optax_accum.accumulate(optax.sgd(0.1), 2, skip_nonfinite="window", noise_scale=True)
+def test_window_check_bad_value():
   with pytest.raises(ValueError, match="skip_nonfinite must be a bool or 'window', got 'x'"):
     optax_accum.TrainStep(ref.mlp_loss, optax.sgd(0.1), 2, skip_nonfinite="x")
+
+
+# ----------------------------------------------------------------------------------------------
+# noise_scale=True with skip_nonfinite="window": |g|² from the window's last micro-batch.
+
+WINDOW_NOISE = dict(skip_nonfinite="window", noise_scale=True)
+
+
+def _window_estimates(kw: dict, grads: jax.Array, weights: jax.Array, order: jax.Array):
+  """One window's (T, Q) from `accumulate` (the device-decided protocol path), the micro-batches
+  taken in `order`."""
+  tx = optax_accum.accumulate(optax.identity(), grads.shape[0], **kw)
+
+  def body(state, gw):
+    return tx.update(gw[0], state, weight=gw[1])[1], None
+
+  state, _ = lax.scan(body, tx.init(grads[0]), (grads[order], weights[order]))
+  measured = optax_accum.noise_scale(state)
+  return measured.window_trace_cov, measured.window_grad_sq
+
+
+def test_window_noise_scale_is_unbiased_against_the_exact_estimator():
+  """Over the order of a window's micro-batches (shuffled data), the one-read estimates of T and
+  Q average to the exact estimator's: the last micro-batch is each one with probability 1/k."""
+  k, n, seeds = 4, 256, 20000
+  rng = np.random.default_rng(0)
+  grads = jnp.asarray(0.3 + rng.normal(size=(k, n)), jnp.float32)  # signal 0.3, noise 1
+  weights = jnp.asarray([1.0, 2.0, 3.0, 6.0])  # unequal: the estimate is n·w_k|g_k|²
+  exact = _window_estimates(dict(noise_scale=True), grads, weights, jnp.arange(k))
+  orders = jax.vmap(lambda key: jax.random.permutation(key, k))(
+    jax.random.split(jax.random.key(1), seeds)
+  )
+  sampled = jax.jit(jax.vmap(lambda o: _window_estimates(WINDOW_NOISE, grads, weights, o)))(orders)
+  for name, want, got in zip(("T", "Q"), exact, sampled, strict=True):
+    got = np.asarray(got, np.float64)
+    se = got.std() / np.sqrt(seeds)
+    tol = 0.02 * abs(float(want))  # 2% of the exact figure; 3 SE fit in it
+    assert 3 * se < tol, (name, se, tol)
+    assert abs(got.mean() - float(want)) < tol, (name, got.mean(), float(want), se)
+    assert got.std() > 0.1 * abs(float(want)), name  # a real sample, not the exact figure
+
+
+def test_window_noise_scale_accumulating_program_reads_each_gradient_once():
+  params = ref.mlp_params(0, SIZES)
+  x = _batches(1)[0]
+  shapes = {f"f32[{','.join(map(str, p.shape))}]" for p in params.values() if p.ndim == 2}
+  step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, grad_buffer=False, **WINDOW_NOISE)
+  state = step.init(params)
+  for emit, users in ((False, 1), (True, 2)):  # the emitting program also reads |g_k|²
+    body = (lambda c: c[0][c[1]])(computations(step.lower(params, state, x, emit=emit)
+                                               .compile().as_text()))  # fmt: skip
+    grads = [i for i in body if i.op == "dot" and i.shape.split("{")[0] in shapes]
+    assert len(grads) == 2, [(i.name, i.shape) for i in grads]
+    assert [len(_users(body, g.name)) for g in grads] == [users] * 2, emit
+  # and it measures: the same windows as the protocol path with static emission
+  micro = _batches(8)
+  p = jax.tree.map(jnp.asarray, params)
+  tx = optax_accum.accumulate(ref.ADAM, 4, **WINDOW_NOISE)
+  update = jax.jit(tx.update, static_argnames="emit")
+  opt = tx.init(p)
+  for i, b in enumerate(micro):
+    updates, opt = update(jax.grad(ref.mlp_loss)(p, b), opt, p, emit=i % 4 == 3)
+    p = optax.apply_updates(p, updates)
+  got_p, got = jax.tree.map(jnp.asarray, params), step.init(params)
+  for b in micro:
+    got_p, got, _ = step(got_p, got, b)
+  want_ns, got_ns = optax_accum.noise_scale(opt), optax_accum.noise_scale(got)
+  assert np.isfinite(float(got_ns.trace_cov))
+  chex.assert_trees_all_close(got_ns, want_ns, rtol=1e-5)  # float32 rounding of two programs
+  chex.assert_trees_all_close(got_p, p, rtol=1e-6, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# The reduction overlapped with the last backward pass: TrainStep(axis_name=...)'s emitting
+# program all-reduces the window leaf by leaf.
+
+# XLA:CPU's own pass that merges independent all-reduces into one (`cpu-all-reduce-combiner`;
+# older XLA: `all-reduce-combiner`):
+# off, the compiled program shows the collectives as the library emits them, in the order the
+# scheduler placed them. On by default, it makes them one all-reduce, the whole tree one bucket
+# (XLA:GPU's combiner groups them up to --xla_gpu_all_reduce_combine_threshold_bytes).
+UNCOMBINED = {"xla_disable_hlo_passes": "cpu-all-reduce-combiner,all-reduce-combiner"}
+
+
+def _data_parallel_step(mesh, **kw):
+  with jax.set_mesh(mesh):
+    step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, 4, axis_name="data", **kw)
+    params = ref.mlp_params(0, SIZES)
+    return step, params, step.init(params)
+
+
+def _shape(instr) -> str:
+  return instr.shape.split("{")[0]
+
+
+@pytest.mark.parametrize("skip", [True, "window"])
+def test_overlap_emitting_program_reduces_each_leaf_after_its_own_gradient(skip):
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  step, params, state = _data_parallel_step(mesh, skip_nonfinite=skip)
+  x = _batches(1)[0]
+  with jax.set_mesh(mesh):
+    lowered = step.lower(params, state, x, emit=True)
+    text = lowered.compile(compiler_options=UNCOMBINED).as_text()
+    combined = lowered.compile().as_text()
+  assert "is_scheduled=true" in text.splitlines()[0]  # instructions listed in their run order
+  comps, entry = computations(text)
+  body = comps[entry]
+  leaf = {f"f32[{','.join(map(str, p.shape))}]": n for n, p in params.items()}
+  # the per-device accumulator, stacked: f32[1,<leaf shape>] entry parameters, one per leaf
+  acc = {i.name: leaf["f32[" + _shape(i)[6:]] for i in body
+         if i.op == "parameter" and _shape(i).startswith("f32[1,")}  # fmt: skip
+  assert sorted(acc.values()) == sorted(params), acc
+  grads = {i.name: leaf[_shape(i)] for i in body
+           if i.op == "dot" and _shape(i) in leaf and "," in _shape(i)}  # fmt: skip
+  assert sorted(grads.values()) == ["w0", "w1"]  # the weight gradients' dots
+  reductions = {i.name: leaf[_shape(i)] for i in body
+                if i.op == "all-reduce" and _shape(i) in leaf}  # fmt: skip
+  assert sorted(reductions.values()) == sorted(params)  # one per leaf, in the entry
+  position = {i.name: n for n, i in enumerate(body)}
+  for r, name in reductions.items():
+    before = ancestors(body, r)
+    # its own leaf's accumulator and gradient only: no other leaf's, no other all-reduce
+    assert [acc[a] for a in before if a in acc] == [name], (name, before)
+    assert all(grads[d] == name for d in before if d in grads), (name, before)
+    assert not any(position[a] for a in before if a in reductions), name
+  # The last layer's weight is reduced before the first layer's weight gradient (the last
+  # backward op) is computed: in XLA:CPU's schedule it overlaps the rest of the backward pass.
+  # (Where the scheduler puts the others is its choice: they depend on their own leaf only, as
+  # checked above; with the per-micro-batch check it placed b1's just after, measured.)
+  (last_backward,) = [d for d, n in grads.items() if n == "w0"]
+  (w1,) = [r for r, n in reductions.items() if n == "w1"]
+  assert position[w1] < position[last_backward], (position[w1], position[last_backward])
+  assert last_backward not in ancestors(body, w1)
+  # None in a loop; with a per-micro-batch check, the exact reduction in a conditional taken
+  # only when a device dropped the last micro-batch (XLA:CPU's default compile: one bucket)
+  assert count_collectives(text, where="loop") == 0
+  n_branch = len(params) if skip is True else 0
+  assert sum(b > 4 for b in _array_all_reduce_bytes(text, "cond")) == n_branch
+  assert sum(b > 4 for b in _array_all_reduce_bytes(combined, "step")) == 1
+
+
+def _array_all_reduce_bytes(text: str, where: str) -> list[int]:
+  """Each all-reduce's bytes in the computations placed `where` (`_hlo.placements`)."""
+  comps, entry = computations(text)
+  placed = placements(comps, entry)[0]
+  return [shape_bytes(i.shape) for c, instrs in comps.items() if placed.get(c) == where
+          for i in instrs if i.op == "all-reduce"]  # fmt: skip
+
+
+CONFIGS = {
+  "default": (dict(), (3, 5)),  # NaN in the last micro-batch of window 1: the exact fallback
+  "window": (dict(skip_nonfinite="window"), (5,)),  # window 2 dropped whole
+  "noise_scale": (dict(noise_scale=True), (3,)),
+  "bf16_stochastic": (BF16_SR, ()),
+  "every_k_1": (dict(), (2,)),  # device 0 drops its piece, the 7 others' still update
+  "window_noise": (WINDOW_NOISE, ()),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_overlap_is_bit_identical_to_the_closing_program(config, monkeypatch):
+  kw, nan_at = CONFIGS[config]
+  mesh = jax.make_mesh((D,), ("data",), axis_types=(AxisType.Auto,))
+  micro = _batches(8)
+  for i in nan_at:  # device 0's rows of this micro-batch: device 0 drops its piece
+    micro[i] = {**micro[i], "x": micro[i]["x"].copy()}
+    micro[i]["x"][0, 0] = np.nan
+  k = 1 if config == "every_k_1" else 4
+  runs = {}
+  for overlap in (False, True):
+    monkeypatch.setattr(optax_accum._train_step, "OVERLAP_WITH_AXIS", overlap)
+    with jax.set_mesh(mesh):
+      step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, k, axis_name="data", **kw)
+      params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))
+      state = step.init(params)
+      for x in micro:
+        params, state, _ = step(params, state, x)
+    runs[overlap] = jax.device_get((params, state))
+    assert len(step._compiled[next(iter(step._compiled))]) == (1 if k == 1 else 2)
+  chex.assert_trees_all_equal(runs[True], runs[False])
+  state = runs[True][1]
+  assert int(state.gradient_step) == {"window": 1, "every_k_1": 8}.get(config, 2)
+  assert int(state.num_skipped.sum()) == {"window": 4 * D, "bf16_stochastic": 0}.get(
+    config, len(nan_at)
+  )  # window: every device counts the dropped window

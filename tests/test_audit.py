@@ -297,6 +297,10 @@ def test_audit_train_step_on_8_devices():
   )  # fmt: skip
   assert good.ok, str(good)
   assert good["collectives"].verdict == "ok"
+  # the emitting program's reduction (XLA:CPU combines its per-leaf all-reduces), and its exact
+  # re-reduction in a conditional, taken only when a device dropped the last micro-batch
+  said = "1 + 0×k reductions per update (0 per micro-step; 1 more if a device drops a window's"
+  assert good["collectives"].figure.startswith(said), good["collectives"].figure
 
 
 @pytest.mark.slow

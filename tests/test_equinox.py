@@ -8,6 +8,7 @@ state arguments against ``k`` sequential small steps.
 from __future__ import annotations
 
 import inspect
+import pathlib
 
 import chex
 import equinox as eqx
@@ -167,3 +168,35 @@ def test_wrappers_keep_name_and_signature_but_no_wrapped_reference(wrap):
   assert not hasattr(f, "__wrapped__")
   assert inspect.signature(f) == inspect.signature(vg)
   assert f.__doc__ == vg.__doc__
+
+
+def test_item17_train_step_donation_is_said_where_an_equinox_user_looks():
+  """Issue 34, item 17: TrainStep donates the module it is given (the default, which saves a
+  copy of the parameters per micro-step). Reading the old module then raises JAX's own error,
+  which the docs name; passing it again raises TrainStep's, which names the leaf and the fix."""
+  model, (x, y) = _model(), _data()
+  step = optax_accum.TrainStep(_loss, optax.adam(1e-2), K)
+  old = _copy(model)
+  state = step.init(old)
+  new, state, _ = step(old, state, x[:4], y[:4])
+  with pytest.raises(RuntimeError, match="Array has been deleted"):
+    old.layers[0].weight + 1
+  said = (
+    r"(?s)params\.layers\[0\]\.weight is a deleted array.*"
+    r"params, state, loss = step\(params, state, batch\).*donate=False"
+  )
+  with pytest.raises(ValueError, match=said):
+    step(old, state, x[4:8], y[4:8])
+  new, state, _ = step(new, state, x[4:8], y[4:8])  # rebinding works
+  assert int(state.mini_step) == 2
+  # donate=False keeps the caller's module intact
+  keeping = optax_accum.TrainStep(_loss, optax.adam(1e-2), K, donate=False)
+  kept = _copy(model)
+  s = keeping.init(kept)
+  keeping(kept, s, x[:4], y[:4])
+  chex.assert_trees_all_equal(_arrays(kept), _arrays(model))
+  # ... and it is said where the user looks: the docstring and the Equinox guide
+  doc = inspect.getdoc(optax_accum.TrainStep)
+  guide = (pathlib.Path(__file__).parent.parent / "docs" / "guides" / "equinox.md").read_text()
+  for text in (doc, guide):
+    assert "Array has been deleted" in text and "donate=False" in text

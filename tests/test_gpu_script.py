@@ -8,6 +8,7 @@ import os
 import pathlib
 import subprocess
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.slow  # every benchmark section and the LM run: ~1-2 minutes
@@ -42,3 +43,12 @@ def test_gpu_script_dry_run_writes_every_section():
                                                         if "accumulator_bytes" in r}  # fmt: skip
   assert any("device conditional" in r["contender"] for r in accel["microstep"])
   assert "beta = 1" in (out / "accel.md").read_text()
+  # the overlapped reduction's price against the closing program, and the LM per accumulator
+  assert [r["contender"].split(" ")[0] for r in accel["overlap"]] == ["leaf", "closing"]
+  assert all(r["compile_s"] > 0 and r["us_per_micro_step"] > 0 for r in accel["overlap"])
+  lm_rows = accel["lm"][1:]
+  assert {r["contender"] for r in lm_rows} == {r["contender"] for r in accel["microstep"]
+                                               if "skip_nonfinite" not in r["contender"]
+                                               and "accumulator_bytes" in r}  # fmt: skip
+  assert all(np.isfinite(r["held_out_loss"]) for r in lm_rows)
+  assert "byte LM's final loss" in (out / "accel.md").read_text()
