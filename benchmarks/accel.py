@@ -388,7 +388,7 @@ def lm(cfg: dict, log=print) -> list[dict[str, Any]]:
       "held_out_loss": float(evaluate(p, held_out)),
       "train_loss_last": float(last.mean()),
       "max_param_diff_vs_f32": diff,
-      "accumulator_bytes": _harness.tree_bytes(state.acc_grads),
+      "accumulator_bytes": _harness.tree_bytes(state.grad_sum),
     })  # fmt: skip
     log(f"[lm] {name}: held-out loss {out[-1]['held_out_loss']:.4f}")
   meta = {"model": str(mcfg), **{k: v for k, v in c.items() if k != "size"}}
