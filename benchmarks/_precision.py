@@ -65,7 +65,7 @@ def _microbatch(dtype):
 
 def _ms_dtype() -> str:
   tx = optax.MultiSteps(optax.identity(), 2).gradient_transformation()
-  return str(jax.eval_shape(tx.init, jnp.zeros(1, jnp.bfloat16)).grad_sum.dtype)
+  return str(jax.eval_shape(tx.init, jnp.zeros(1, jnp.bfloat16)).acc_grads.dtype)
 
 
 def _naive_bf16(grads):
