@@ -194,15 +194,28 @@ def adam() -> optax.GradientTransformation:
   return optax.adam(LR, eps=EPS)
 
 
+def _n(*trees) -> int:
+  return len(jax.tree.leaves(trees))
+
+
+def _passed(compiled) -> int:
+  """The arrays a compiled program's call passes in and hands back."""
+  return _n(compiled.in_avals) + _n(compiled.out_info)
+
+
 class Runner:
   """A contender: `window()` dispatches one window's calls and returns arrays to block on;
-  `params` after a window is what the agreement check reads."""
+  `params` after a window is what the agreement check reads; `arrays()` is how many arrays its
+  calls of one window pass in and hand back (each costs the call dispatch time)."""
 
   def __init__(self, params):
     self.params = _copy(params)
 
   def window(self) -> Any:
     raise NotImplementedError
+
+  def arrays(self) -> int | None:
+    return None
 
 
 def _protocol(loss, tx):
@@ -226,6 +239,9 @@ class Protocol(Runner):
       self.params, self.state, value = self.step(self.params, self.state, mb)
     return self.params, value
 
+  def arrays(self):
+    return len(self.micro) * (_n(self.params, self.state, self.micro[0]) * 2 + 1 - _n(self.micro))
+
 
 class Train(Runner):
   """`TrainStep(loss, adam, k)`, called once per micro-batch."""
@@ -239,6 +255,13 @@ class Train(Runner):
     for mb in self.micro:
       self.params, self.state, value = self.step(self.params, self.state, mb)
     return self.params, value
+
+  def arrays(self):
+    programs = self.step._compiled[self.step._key]
+    k = len(self.micro)
+    if self.step._fused_emit:
+      return (k - 1) * _passed(programs[False]) + _passed(programs[True])
+    return k * _passed(programs[False]) + _passed(programs[True])
 
 
 class HandLoop(Runner):
@@ -272,6 +295,12 @@ class HandLoop(Runner):
     )
     return self.params, value
 
+  def arrays(self):
+    p, s, b = _n(self.params), _n(self.state), _n(self.micro[0])
+    # k − 1 adds: (acc, params, batch) → (acc, value); the close: (acc, params, state, batch)
+    # → (zeros, params, state, value)
+    return (len(self.micro) - 1) * (3 * p + b + 1) + 4 * p + 2 * s + b + 1
+
 
 class Dispatch(Runner):
   """The per-call floor: a jitted identity on the parameters and Adam's state (donated), once
@@ -286,6 +315,35 @@ class Dispatch(Runner):
     for _ in range(self.k):
       self.tree = self.ident(self.tree)
     return self.tree
+
+  def arrays(self):
+    return self.k * 2 * _n(self.tree)
+
+
+def per_array_cost(rounds: int, calls: int = 200) -> dict:
+  """The dispatch time one array passed to a call (and handed back) costs: a jitted identity
+  (donated) on 2 and on 64 small arrays, timed side by side; per array = the difference over
+  2 × 62 arrays."""
+  few, many = (_copy([jnp.zeros(8) + i for i in range(n)]) for n in (2, 64))
+  ident = jax.jit(lambda t: t, donate_argnums=0)
+  trees = {"2": few, "64": many}
+
+  def run(name):
+    def window():
+      for _ in range(calls):
+        trees[name] = ident(trees[name])
+      return trees[name]
+
+    return window
+
+  for n in trees:
+    H.block(run(n)())
+  t = H.run_side_by_side({n: run(n) for n in trees}, rounds=rounds, units=calls)
+  return {
+    "2": t["2"].median,
+    "64": t["64"].median,
+    "per_array": (t["64"].median - t["2"].median) / 124,
+  }
 
 
 def cross_runners(s: Small, params, micro) -> dict[str, Runner]:
@@ -410,6 +468,7 @@ def measure(s: Small, rounds: int, log: Callable) -> dict:
     "b": s.b,
     "max_abs_diff": diffs,
     "cross": {n: t.as_dict() for n, t in t_cross.items()},
+    "arrays_per_step": {n: r.arrays() / s.k for n, r in cross.items() if r.arrays() is not None},
     "cross_ratio": _ratios(t_cross, ("MultiSteps", "hand loop"), ("accumulate", "TrainStep")),
     "in": {n: {**t.as_dict(), **programs[n]} for n, t in t_in.items()},
     "in_ratio": _ratios(
@@ -463,6 +522,16 @@ def memory_table(results: list[dict]) -> list[str]:
   return lines
 
 
+def arrays_table(results: list[dict], per_array: float) -> list[str]:
+  names = ("hand loop", "MultiSteps", "accumulate", "TrainStep")
+  lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+  for r in results:
+    n = r["arrays_per_step"]
+    cells = [f"{n[x]:.0f} ({_ms(n[x] * per_array)})" for x in names]
+    lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def report(results: list[dict], meta: dict) -> str:
   shapes = [f"- `{r['model']}`: {r['what']} ({r['params']:,} parameters)" for r in results]
   cols = ("dispatch", "adam (floor)", "accumulate", "TrainStep")
@@ -512,6 +581,14 @@ def report(results: list[dict], meta: dict) -> str:
       "|---|---:|---:|---:|---:|",
       *floor,
       "",
+      "What a call costs beyond its computation grows with the arrays it passes in and hands "
+      "back: a jitted identity (donated) on 64 small arrays against 2, side by side, "
+      f"{_ms(meta['arrays']['64'])} against {_ms(meta['arrays']['2'])} per call, i.e. "
+      f"**{meta['arrays']['per_array'] * 1e6:.2f} µs per array**. Arrays passed per "
+      "micro-step (in and out, averaged over the window) and what they cost at that rate:",
+      "",
+      *arrays_table(results, meta["arrays"]["per_array"]),
+      "",
     ]
   )
 
@@ -528,6 +605,7 @@ def main(argv=None) -> None:
   results = []
   for n in names:
     results.append(measure(chosen[n], args.rounds, lambda m: print(m, flush=True)))
+  arrays = per_array_cost(args.rounds)
   meta = {
     "rounds": args.rounds,
     "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -536,6 +614,7 @@ def main(argv=None) -> None:
     "optax": optax.__version__,
     "total_s": time.time() - t0,
     "load": f"{os.getloadavg()[0]:.1f}",
+    "arrays": arrays,
   }
   args.out.mkdir(parents=True, exist_ok=True)
   (args.out / "small_models.json").write_text(

@@ -5,9 +5,10 @@ for a device conditional (`lax.cond`), which on CPU makes the zero updates and t
 application real memory passes and on GPU makes the host wait for the predicate
 (openxla/xla `xla/backends/gpu/runtime/conditional_thunk.cc`). `TrainStep` compiles
 
-* the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces); the
-  parameters and the inner state pass through donated, i.e. untouched in place, and no update
-  is computed at all;
+* the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces) on the state
+  with its inner state hollow (`_hollow`): it only reads the parameters and never sees the inner
+  state, so neither is passed in and handed back (every array a call passes costs it dispatch
+  time), and no update is computed at all;
 * the closing program, on ``(params, state)`` only: ``close_window(finish = apply the
   updates) → advance`` from the state's accumulator (`_accumulate.close_from_state`). The
   emitting micro-step runs the accumulating program, then this one: the backward pass is
@@ -44,6 +45,11 @@ from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+# grad_buffer=None on CPU: the buffer for parameters of at least this many bytes in all. glibc
+# serves a temporary above its mmap threshold (dynamic, at most 32 MiB) with fresh pages on every
+# call, and XLA:CPU's temporaries are one allocation; below it the buffer saves nothing, and its
+# arrays cost every call a dispatch per leaf (in and out).
+GRAD_BUFFER_BYTES = 32 * 2**20
 
 # With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
 # all-reduces the window leaf by leaf (True), or the accumulating program and then the closing
@@ -112,29 +118,57 @@ def _unlike(compiled: Any, operands: tuple) -> bool:
   return False
 
 
+# Each leaf type's kind, decided once per type (an ABC `isinstance` is slow per leaf):
+# 0 not an array (an Equinox module's static field), 1 an array that cannot be deleted (NumPy,
+# a tracer), 2 a concrete `jax.Array` (donated arrays are deleted).
+_KINDS: dict[type, int] = {}
+
+
+def _kind(t: type) -> int:
+  kind = _KINDS.get(t)
+  if kind is None:
+    concrete = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
+    kind = _KINDS[t] = 2 if concrete else int(issubclass(t, jax.Array | np.ndarray | np.generic))
+  return kind
+
+
+def _all_arrays(params: Any, state: Any) -> bool:
+  """Whether every leaf of the parameters is an array (then `_batch.hide_static` has nothing
+  to hide): by leaf type, in C loops (the per-call cost). Also catches the usual mistake,
+  passing again what an earlier call donated, for the price of two reads (a donated tree's
+  leaves are deleted together: its first parameter, the state's `mini_step`), so that XLA
+  never sees a deleted buffer; `_check_live` names the leaf."""
+  leaves = jax.tree.leaves(params)
+  for x in (*leaves[:1], getattr(state, "mini_step", None)):
+    if _kind(type(x)) == 2 and x.is_deleted():
+      _check_live(params, state)
+  return all(_kind(t) for t in set(map(type, leaves)))
+
+
 def _check_live(params: Any, state: Any) -> None:
   """Raises if an array of the parameters or the state was deleted: donated to an earlier
-  call (a compiled program handed a deleted buffer can crash the process, not raise)."""
-  concrete: dict[type, bool] = {}  # per leaf type, once (an ABC isinstance is slow per leaf)
-
-  def deleted(x: Any) -> bool:
-    t = type(x)
-    if t not in concrete:
-      concrete[t] = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
-    return concrete[t] and x.is_deleted()
-
+  call, or deleted. Run when a compiled program refuses its inputs (it checks them before it
+  runs or donates anything): JAX's own error names an argument number (or only a shape)."""
   for name, tree in (("params", params), ("state", state)):
-    if not any(map(deleted, jax.tree.leaves(tree))):  # the per-call cost: no tree paths
-      continue
     for path, x in jax.tree.leaves_with_path(tree):
-      if deleted(x):
+      if _kind(type(x)) == 2 and x.is_deleted():
         raise ValueError(
           f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
-          "to an earlier call (TrainStep donates the parameters and the state, donate=True) "
+          "to an earlier call (TrainStep donates the state on every call and the parameters on "
+          "each update, donate=True) "
           "or deleted. Pass the parameters (or module) and the state that the last call "
           "returned (`params, state, loss = step(params, state, batch)`), or build TrainStep "
-          "with donate=False to keep your arrays (each micro-step then copies the parameters)."
+          "with donate=False to keep your arrays (each update then holds the old and the new "
+          "parameters and state)."
         )
+
+
+def _hollow(inner_state: Any) -> Any:
+  """The inner state's tree with no arrays (every leaf None): what the accumulating program
+  takes of it. It never reads the inner state, and every array passed in and handed back
+  costs each call its dispatch (3 µs a leaf on CPU); its structure stays, for the checks
+  that read it (a private state, `_checks.holds_private_state`)."""
+  return jax.tree.map(lambda _: None, inner_state)
 
 
 def _in_trainstep_words(error: Exception) -> Exception:
@@ -172,14 +206,16 @@ class TrainStep:
       the arrays only (as ``tx.init(eqx.filter(model, eqx.is_array))``), and the returned
       parameters are the same kind of object. With `optax.lookahead` the parameters are
       ``LookaheadParams(fast, slow)`` and `loss_fn` is evaluated at the fast weights.
-    donate: donate the parameters and the optimizer state to each call (the default; the
-      arrays you pass in are invalid afterwards, as with any donating training step): rebind
-      what a call returns, ``params, state, loss = step(params, state, batch)``. An Equinox
-      module passed in is deleted with them: reading its arrays afterwards raises JAX's
+    donate: donate what each call updates (the default): the state on every call, the
+      parameters on the call that updates them (a window's last; an accumulating call only
+      reads them and returns the ones you gave it). Donated arrays are invalid afterwards, as
+      with any donating training step: rebind what every call returns, ``params, state, loss
+      = step(params, state, batch)``. An Equinox module passed to an updating call is deleted
+      with them: reading its arrays afterwards raises JAX's
       ``RuntimeError: Array has been deleted``, and passing it again raises this class's
       `ValueError` naming the leaf and ``donate=False``. ``donate=False`` keeps your arrays,
-      at a price: every micro-step then writes a new copy of the parameters (an output equal
-      to an input that is not donated is a copy).
+      at a price: each update then writes the new parameters and optimizer state beside the
+      old ones (twice their memory).
     reduction: as for `accumulate`: "mean" (``Σ wᵢ gᵢ / Σ wᵢ``) or "sum" (``Σ wᵢ gᵢ``, weighted).
     accum_dtype: as for `accumulate`: the accumulator's dtype (floating or complex; never
       narrower than a gradient). None: the parameters' dtypes at `init`; a wider gradient then
@@ -192,11 +228,12 @@ class TrainStep:
       of the accumulating and the closing ones.
     grad_buffer: keep a persistent, donated gradient-sized buffer that each program writes its
       gradients into, instead of allocating them as temporary memory on every call. None (the
-      default) means True on CPU and False elsewhere: glibc serves temporaries above its mmap
-      threshold (32 MiB) with fresh pages on every call, so there it saves thousands of page
-      faults per step; GPU and TPU allocators cache their memory, so there it would only hold
-      memory between steps. The buffer lives in this object, not in the optimizer state. Not
-      with `axis_name` (the gradients are per device there).
+      default) means True on CPU for parameters of 32 MiB or more in all, else False: glibc
+      serves temporaries above its mmap threshold (32 MiB) with fresh pages on every call, so
+      there it saves thousands of page faults per step; below it the buffer's arrays only add
+      to each call's dispatch; GPU and TPU allocators cache their memory, so there it would
+      only hold memory between steps. The buffer lives in this object, not in the optimizer
+      state. Not with `axis_name` (the gradients are per device there).
     weight_fn: ``weight_fn(*args)`` (the micro-batch arguments) returns the micro-batch's
       weight, e.g. its number of real tokens, computed inside the program; with `axis_name`,
       each device's weight of its own rows, which is what a token-weighted mean across devices
@@ -299,8 +336,10 @@ class TrainStep:
     )
     self._weight_fn, self._mesh = weight_fn, mesh
     if grad_buffer is None:
-      grad_buffer = jax.default_backend() == "cpu" and not axis.stacks
-    self._grad_buffer: Any = None if grad_buffer else _NO_BUFFER
+      grad_buffer = None if jax.default_backend() == "cpu" and not axis.stacks else False
+    # None until the first call or `compile` makes the buffer; `_NO_BUFFER` without one.
+    self._grad_buffer: Any = _NO_BUFFER if grad_buffer is False else None
+    self._buffer_auto = grad_buffer is None  # on CPU: only for large enough parameters
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     # Whether the emitting micro-step is one program (grad → add → close) rather than the
     # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
@@ -311,6 +350,8 @@ class TrainStep:
     sampled = self._cfg.window_check and self._cfg.noise
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
+    self._key: tuple | None = None  # the last call's `_signature`
+    self._hollows: dict[Any, Any] = {}  # `_hollow` by the inner state's tree structure
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
     # for parameters placed on a mesh (the accumulator sharded like them).
@@ -325,19 +366,22 @@ class TrainStep:
     with every_k = 1 (then the only one) or with `axis_name` (`_fused_emit`), the one that
     computes the last gradient, adds and closes the window; else the closing program, which
     the emitting micro-step runs after the accumulating one (`_close`)."""
-    kw = {} if out_shardings is None else {"out_shardings": out_shardings}
-    self._compiled = {}
-    step = functools.partial(jax.jit, donate_argnums=self._donate_argnums, keep_unused=True, **kw)
-    if self._cfg.unaccumulated:
-      return {True: step(functools.partial(self._step, emit=True))}
+    self._compiled, self._key = {}, None
+    donated = 0 in self._donate_argnums
+    kw = lambda i: {} if out_shardings is None else {"out_shardings": out_shardings[i]}
     if self._fused_emit:
-      return {e: step(functools.partial(self._step, emit=e)) for e in (False, True)}
-    kw = {} if out_shardings is None else {"out_shardings": out_shardings[:2]}
-    donate = (0, 1) if 0 in self._donate_argnums else ()
-    return {
-      False: step(functools.partial(self._step, emit=False)),
-      True: jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw),
-    }
+      step = functools.partial(self._step, emit=True)
+      emitting = jax.jit(step, donate_argnums=self._donate_argnums, keep_unused=True, **kw(1))
+    else:
+      donate = (0, 1) if donated else ()
+      emitting = jax.jit(self._close, donate_argnums=donate, keep_unused=True, **kw(1))
+    if self._cfg.unaccumulated:
+      return {True: emitting}
+    # The accumulating program neither takes nor returns the parameters (it only reads them:
+    # not donated) and takes the state with its inner state hollow (`_hollow`).
+    donate = (1, 2) if donated else (2,)
+    accumulating = jax.jit(self._accumulating, donate_argnums=donate, keep_unused=True, **kw(0))
+    return {False: accumulating, True: emitting}
 
   def _binds_here(self) -> bool:
     """With `axis_name` under plain jit: the programs bind the axis themselves."""
@@ -364,14 +408,18 @@ class TrainStep:
       specs = self._mesh_state_shardings(params)
       if specs is not None:
         shardings, state = specs
-        self._programs = self._jit(out_shardings=(shardings, state, None, None))
+        hollow = state._replace(inner_state=None)
+        emitting = (shardings, state, None, None) if self._fused_emit else (shardings, state)
+        self._programs = self._jit(out_shardings=((hollow, None, None), emitting))
       return
     if not self._binds_here():
       return
     _, specs = self._state_shardings(params)
     shardings = self._shardings(_batch.hide_static(params))
     rep = P() if self._mesh is None else NamedSharding(self._mesh, P())
-    self._programs = self._jit(out_shardings=(shardings, specs, _NO_BUFFER, rep))
+    hollow = (specs._replace(inner_state=None), _NO_BUFFER, rep)
+    emitting = (shardings, specs, _NO_BUFFER, rep) if self._fused_emit else (shardings, specs)
+    self._programs = self._jit(out_shardings=(hollow, emitting))
     self._pinned = True
 
   def init(self, params: Any) -> _accumulate.AccumulateState:
@@ -437,23 +485,23 @@ class TrainStep:
                           specs, is_leaf=lambda s: isinstance(s, P))  # fmt: skip
     return specs
 
+  def _accumulating(self, params, state, grad_buffer, args, weight):
+    """The accumulating program: gradient → add. It takes the state with its inner state
+    hollow (`_hollow`) and returns ``(state, grad_buffer, value)``: the parameters are only
+    read (not donated, not returned), the inner state never seen."""
+    _, state, grad_buffer, value = self._step(params, state, grad_buffer, args, weight, emit=False)
+    return state, grad_buffer, value
+
   def _step(self, params, state, grad_buffer, args, weight, *, emit: bool):
     axis = self._cfg.axis
     if not axis.unbound():
       return self._micro_step(params, state, grad_buffer, args, weight, emit=emit)
-    # Data parallel under plain jit: the micro-step runs per device (`_gspmd.bind`). The
-    # accumulating program leaves the inner state and the parameters outside the bound region:
-    # it only reads the parameters, and an FSDP-sharded inner state would be gathered for
-    # nothing on every micro-step.
+    # Data parallel under plain jit: the micro-step runs per device (`_gspmd.bind`); the
+    # accumulating program's state comes hollow (an FSDP-sharded inner state is never gathered
+    # for nothing), and the parameters stay outside the bound region (only read).
     run = functools.partial(self._bound_step, emit=emit)
-    bound = self._bind(run, batch_argnums=2)
-    inside = state if emit else state._replace(inner_state=None)
-    new_params, new_state, value = bound(params, inside, args, weight)
-    if emit:
-      params, state = new_params, new_state
-    else:
-      state = new_state._replace(inner_state=state.inner_state)
-    return params, state, grad_buffer, value
+    new_params, state, value = self._bind(run, batch_argnums=2)(params, state, args, weight)
+    return (new_params if emit else params), state, grad_buffer, value
 
   def _bound_step(self, params, state, args, weight, *, emit: bool):
     axis = self._cfg.axis
@@ -560,12 +608,24 @@ class TrainStep:
     """The gradient buffer, made on first use with the gradients' shapes and dtypes, placed
     like the parameters (a gradient has its parameter's sharding)."""
     if self._grad_buffer is None:
-      self._grad_buffer = jax.tree.map(
-        lambda t: jnp.zeros(t.shape, t.dtype, device=t.sharding), self._buffer_types(params, args)
-      )
+      types = self._buffer_types(params, args)
+      if types is not _NO_BUFFER:
+        types = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype, device=t.sharding), types)
+      self._grad_buffer = types
     return self._grad_buffer
 
   def _buffer_types(self, params: Any, args: tuple) -> Any:
+    """`_types`, or `_NO_BUFFER` where the default (``grad_buffer=None``) decides, from the
+    first parameters, that they are too small for the buffer to pay (`GRAD_BUFFER_BYTES`)."""
+    if self._buffer_auto:
+      self._buffer_auto = False
+      arrays = jax.tree.leaves(_batch.none_for_static(params))
+      if sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays) < GRAD_BUFFER_BYTES:
+        self._grad_buffer = _NO_BUFFER
+        return _NO_BUFFER
+    return self._types(params, args)
+
+  def _types(self, params: Any, args: tuple) -> Any:
     """The gradient buffer's `jax.ShapeDtypeStruct`s, placed like the parameters (what
     `compile` and `lower` compile for, so that the buffer `_buffer` makes fits them)."""
     types = jax.eval_shape(self._grads_of, params, args)
@@ -592,17 +652,18 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
-    _check_live(params, state)
+    arrays = _all_arrays(params, state)
     if self._position is None or state is not self._last_state:
       self._read_position(params, state, args)
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
-    params = _batch.hide_static(params)
-    params, state, self._grad_buffer, value = self._dispatch(
-      emit, params, state, self._buffer(params, args), args, weight
+    hidden = params if arrays else _batch.hide_static(params)
+    hidden, state, self._grad_buffer, value = self._dispatch(
+      emit, hidden, state, self._buffer(hidden, args), args, weight
     )
-    params = _batch.show_static(params)
+    if emit:  # (an accumulating micro-step only reads the parameters)
+      params = hidden if arrays else _batch.show_static(hidden)
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
@@ -615,6 +676,7 @@ class TrainStep:
     call is dispatched without waiting for the device."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, state, args))):
       raise TypeError(INSIDE_JIT)
+    _check_live(params, state)
     position, window_k = jax.device_get((state.mini_step, state.window_k))
     self._position = int(position)
     self._window_k = int(window_k) if self._position else self._next_window_k(state)
@@ -631,20 +693,46 @@ class TrainStep:
 
   def _dispatch(self, emit: bool, params, state, grad_buffer, args, weight):
     """Runs the accumulating program, and on an emitting micro-step the closing one after it
-    (with every_k = 1 or `axis_name`, the one program that adds and closes instead): compiled
-    together on the first
-    call with these argument types (`compile`), or, for inputs unlike those they were
-    compiled for, through `jax.jit`."""
+    (with every_k = 1, `axis_name`, or the sampled noise statistics, the one emitting program
+    that adds and closes instead). Returns ``(params, state, grad_buffer, value)``."""
+    if emit and self._fused_emit:
+      return self._first(True, (params, state, grad_buffer, args, weight), state)
+    inner = state.inner_state
+    hollow = state._replace(inner_state=self._hollow(inner))
+    operands = (params, hollow, grad_buffer, args, weight)
+    state, grad_buffer, value = self._first(False, operands, state)
+    state = state._replace(inner_state=inner)
+    if emit:
+      params, state = self._run(self._key, True, params, state)
+    return params, state, grad_buffer, value
+
+  def _hollow(self, inner_state: Any) -> Any:
+    """`_hollow` of the inner state, made once per tree structure."""
+    tree = jax.tree.structure(inner_state)
+    hollow = self._hollows.get(tree)
+    if hollow is None:
+      hollow = self._hollows[tree] = _hollow(inner_state)
+    return hollow
+
+  def _first(self, program: bool, operands: tuple, state: Any) -> Any:
+    """A call's first program (`_jit`'s key), compiled for these micro-batch types: tried
+    first as compiled for the last call's (the compiled program checks its inputs before it
+    runs or donates anything, so the per-call cost has no signature to compute); for others,
+    looked up by `_signature` (both programs compiled on the first call with new types,
+    `_compile_both`; `state` is the whole state). Refusals are `_run`'s."""
+    params, _, grad_buffer, args, weight = operands
+    if self._key is not None:
+      try:
+        return self._compiled[self._key][program](*operands)
+      except (TypeError, ValueError, RuntimeError):
+        # A deleted array (RuntimeError with several devices), other micro-batch types
+        # (looked up below), or a refusal that `_run` explains.
+        _check_live(params, state)
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    fused = emit and self._fused_emit
-    params, state, grad_buffer, value = self._run(
-      key, fused, params, state, grad_buffer, args, weight
-    )
-    if emit and not fused:
-      params, state = self._run(key, True, params, state)
-    return params, state, grad_buffer, value
+    self._key = key
+    return self._run(key, program, *operands)
 
   def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
     """One program (`_jit`'s key), compiled for `key`; inputs unlike those it was compiled
@@ -654,8 +742,11 @@ class TrainStep:
     compiled = self._compiled[key][program]
     try:
       return compiled(*operands)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
       # The compiled programs check their inputs before running (nothing donated yet).
+      _check_live(*operands[:2])
+      if isinstance(e, RuntimeError):
+        raise
       if not _unlike(compiled, operands):
         raise type(e)(
           "TrainStep: the compiled program refused inputs of the types and placements it was "
@@ -701,9 +792,8 @@ class TrainStep:
     buffer = self._grad_buffer
     if buffer is None:
       buffer = self._buffer_types(params, args)
-    self._compiled[_signature(args, weight)] = self._compile_both(
-      params, state, buffer, args, weight
-    )
+    self._key = _signature(args, weight)
+    self._compiled[self._key] = self._compile_both(params, state, buffer, args, weight)
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
@@ -725,4 +815,5 @@ class TrainStep:
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
     if emit:
       return self._programs[True].lower(params, state)  # the closing program
-    return self._programs[False].lower(params, state, grad_buffer, args, weight)
+    hollow = state._replace(inner_state=_hollow(state.inner_state))
+    return self._programs[False].lower(params, hollow, grad_buffer, args, weight)
