@@ -87,7 +87,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("accumulate", 'skip_nonfinite="window"', KEPT,
      "a window is dropped only if its sums are not finite, which clipped sums never are (a "
      "non-finite per-example gradient counts 0; n clipped gradients sum to at most n·C, far "
-     "below float32's overflow): the noisy update always happens and is counted"),
+     "below float32's overflow); a dropped window (a gradient clipping did not make) makes, "
+     "like an empty one, the noisy update of zero sums: the noisy update always happens and "
+     "is counted, with or without axis_name, and its micro-batches count in num_skipped"),
   _R("accumulate", "empty window", MADE_RIGHT,
      "a window whose every micro-batch was dropped still makes the noisy update, counted by "
      "dp_updates (the accountant counts every window)"),
@@ -118,7 +120,8 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "skip_nonfinite=True", KEPT,
      "judges the clipped gradients only: a NaN loss value drops nothing"),
   _R("TrainStep", 'skip_nonfinite="window"', KEPT,
-     "as accumulate's: clipped sums are finite, so no window is dropped"),
+     "as accumulate's: clipped sums are finite, so no window is dropped; one that is not finite "
+     "makes the noisy update of zero sums, counted, with or without axis_name"),
   _R("TrainStep", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
      "weight_fn"),
   _R("TrainStep", "step(..., weight=...)", REFUSED, "multiplies the clipped sums", "weight"),
