@@ -676,6 +676,9 @@ class Window(NamedTuple):
   # ``Σ|sums|²`` when read before the conditional that closes the window (`emit_dynamic`), or
   # None: read where the window closes.
   sums_sq: Any = None
+  # skip_nonfinite="window" on a private path: whether the window's sums are finite (a boolean
+  # scalar); if not, the inner update runs on zeros (`_inner_update`). None: the sums as they are.
+  finite: Any = None
 
 
 class Closed(NamedTuple):
@@ -685,6 +688,9 @@ class Closed(NamedTuple):
   inner_state: Any
   noise: Any  # the noise statistics: closed into the EMAs if the window closed, or None
   applied: jax.Array  # bool scalar: the inner update ran
+  # bool scalar: skip_nonfinite="window" found the closing window's sums not finite, so its
+  # micro-batches are dropped (`advance` counts them)
+  nonfinite: jax.Array
 
 
 class Finish(NamedTuple):
@@ -741,7 +747,9 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   """The window's noise statistics closed (`window` holds the global sums, total and
   partials), then the inner update on the window's mean, finished (see `Finish`); a
   `scale_by_gain` inside reads the closed statistics."""
-  sums, total, inner_state, params, extra, noise, sums_sq = window
+  sums, total, inner_state, params, extra, noise, sums_sq, finite = window
+  if finite is not None:  # a private window's non-finite sums: dropped, the noise still added
+    sums = _core.zeros_unless(finite, sums)
   noise = _close_noise(noise, sums, total, _over_shards(cfg), sums_sq)
   extra = _with_figures(extra, inner_state, _figures(noise))
   g = _core.normalise(sums, total, like, cfg.normalisation)
@@ -805,20 +813,23 @@ def close_window(
   `guard=False` (every_k == 1, no weight, no skipping: the window cannot be empty) runs the
   inner optimizer with no conditional. The guard is a `lax.cond`, not a select: a select keeps
   the old and the new optimizer state alive together, i.e. parameter-sized copies.
+
+  On a private path the noisy update always happens (`private_window`).
   """
   local = window.noise
-  guard = guard and not _checks.holds_private_state(window.inner_state)  # noise always added
+  private = _checks.holds_private_state(window.inner_state)
   window = window if reduced else _global(cfg, window, like)
+  # skip_nonfinite="window": the window's sums, read once at emission (global with an axis)
+  finite = _core.all_finite(window.sums) if cfg.window_check else jnp.asarray(True)
   apply = functools.partial(_inner_update, cfg, like, finish)
-  if not guard:
-    closed = Closed(*apply(window), jnp.asarray(True))
+  if private:
+    window = private_window(cfg, window, finite)
+  if private or not guard:
+    closed = Closed(*apply(window), jnp.asarray(True), ~finite)
   else:
-    applied = window.total > 0
-    if cfg.window_check:  # the window's sums, read once at emission (global with an axis)
-      applied = applied & _core.all_finite(window.sums)
-    closed = Closed(
-      *_collectives.cond(applied, apply, functools.partial(_no_update, finish), window), applied
-    )
+    applied = (window.total > 0) & finite
+    empty = functools.partial(_no_update, finish)
+    closed = Closed(*_collectives.cond(applied, apply, empty, window), applied, ~finite)
   # The noise partials stay this device's (spent: the next add restarts them).
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
 
@@ -847,7 +858,19 @@ def _with_partials(noise: Any, partials: tuple) -> Any:
 
 def keep_open(finish: Finish, window: Window) -> Closed:
   """A step that applies nothing: the inner optimizer untouched."""
-  return Closed(*_no_update(finish, window), jnp.asarray(False))
+  return Closed(*_no_update(finish, window), jnp.asarray(False), jnp.asarray(False))
+
+
+def private_window(cfg: Config, window: Window, finite: jax.Array) -> Window:
+  """A closing window on a private path (a `dp_noise` in the inner state), whose noisy update
+  always happens and is counted by `dp_updates`, whatever the window holds: the accountant
+  counts every window, and whether an update was made must not depend on the data. A window
+  whose every micro-batch was dropped makes the update of zero sums; with
+  ``skip_nonfinite="window"``, so does a window whose sums are not `finite` (clipped sums
+  always are: a gradient clipping did not make, or a NaN clipping did not catch): its sums are
+  dropped (`_inner_update` replaces them by zeros) and its micro-batches counted in
+  `num_skipped` (`advance`), as elsewhere, and the parameters stay finite."""
+  return window._replace(finite=finite) if cfg.window_check else window
 
 
 def emit_dynamic(
@@ -859,16 +882,19 @@ def emit_dynamic(
   total > 0`` decides everything; with one, the total is global only after the emitting
   step's all-reduce, so `close_window` guards the empty window inside the emitting branch.
   """
-  # On a private path the noisy update always happens and is counted, whatever the window
-  # holds: the accountant counts every window (`_checks.holds_private_state`).
-  guard = guard and not _checks.holds_private_state(window.inner_state)
   if cfg.axis.stacks:
     close = functools.partial(close_window, cfg, like, finish, guard)
     return _collectives.cond(emitting, close, functools.partial(keep_open, finish), window)
-  applies = emitting & (window.total > 0) if guard else emitting
+  # On a private path the noisy update always happens and is counted (`private_window`).
+  private = _checks.holds_private_state(window.inner_state)
+  applies = emitting & (window.total > 0) if guard and not private else emitting
+  finite = jnp.asarray(True)
   if cfg.window_check:  # read on the micro-step that closes the window only
     finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
-    applies = applies & finite
+    if private:
+      window = private_window(cfg, window, finite)
+    else:
+      applies = applies & finite
   if window.noise is not None and applies is not True and SUMS_SQ_READ != "inside":
     # ``|Σ wᵢgᵢ|²`` read in a conditional of its own, before the one that closes the window:
     # read inside that one, it keeps XLA from updating the sums in place, and its branch that
@@ -882,9 +908,9 @@ def emit_dynamic(
     window = window._replace(sums_sq=sums_sq)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
-    return Closed(*apply(window), jnp.asarray(True))
+    return Closed(*apply(window), jnp.asarray(True), ~finite)
   empty = functools.partial(_no_update, finish)
-  return Closed(*_collectives.cond(applies, apply, empty, window), applies)
+  return Closed(*_collectives.cond(applies, apply, empty, window), applies, ~finite)
 
 
 def advance(
@@ -902,9 +928,10 @@ def advance(
   axis = cfg.axis
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
   applied, noise = closed.applied, closed.noise
-  if cfg.window_check:  # a window with weight that did not apply: its sums were not finite
+  if cfg.window_check:  # a window with weight whose sums were not finite: dropped whole
     whole = state.mini_step + 1 if in_window is None else in_window
-    skipped = skipped + jnp.where(emitting & ~applied & (total > 0), whole, 0).astype(jnp.int32)
+    nonfinite = emitting & closed.nonfinite & (total > 0)
+    skipped = skipped + jnp.where(nonfinite, whole, 0).astype(jnp.int32)
   k = window_length(cfg, state)
   gradient_step = jnp.where(
     applied, optax.safe_increment(state.gradient_step), state.gradient_step
@@ -1206,7 +1233,9 @@ def accumulate(
   privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,
   `noise_scale`, `FollowNoiseScale`, `scale_by_gain` and an accumulator narrower than float32
   raise, and a ``weight=`` raises at the first `update`; every window then makes its noisy
-  update, even one whose micro-batches were all dropped (`dp_updates` counts it).
+  update, even one whose micro-batches were all dropped, or, with ``skip_nonfinite="window"``,
+  whose sums were not finite (the update of zero sums; `dp_updates` counts it, `num_skipped`
+  its dropped micro-batches).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state is an `AccumulateState`.

@@ -326,6 +326,16 @@ def private_reduction(fun: Any) -> Any:
   return "sum"
 
 
+def private_aux_rows(fun: Any) -> bool:
+  """Whether a private loss returns ``(value, aux)`` with one aux row per example
+  (`privacy.clipped_loss(..., has_aux=True)`: its ``has_aux``, found through its wrappers), and
+  declares no `microbatch` reduction of its own (a `privacy.clipped_grad` does)."""
+  for f in _unwrapped(fun):
+    if _declares_private(f) and getattr(f, "has_aux", None) is True:
+      return getattr(f, "reduction", None) is None
+  return False
+
+
 def private_mask_argnum(fun: Any) -> int | None:
   """Where a private function takes its padding mask (``mask_argnum`` of `privacy.clipped_grad`
   or `privacy.clipped_loss`, found through its wrappers; a `functools.partial`'s bound

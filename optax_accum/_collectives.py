@@ -331,6 +331,21 @@ class Axis(NamedTuple):
     """Sums every leaf over the axis (one fused all-reduce)."""
     return lax.psum(self.to_varying(tree), self.name)
 
+  def join_rows(self, tree: Any) -> Any:
+    """Each leaf's rows from every device, joined along axis 0 in device order and the same on
+    every device (a tiled ``all_gather`` whose result no longer varies over the axis): a
+    ``psum`` of each device's rows placed in its own block, exact (the others add zeros)."""
+
+    def join(x):
+      x = jnp.asarray(x)
+      kind, b = x.dtype, x.shape[0]
+      x = x.astype(jnp.int32) if kind == jnp.bool_ else x  # psum has no bool
+      full = jnp.zeros((b * self.size(), *x.shape[1:]), x.dtype)
+      full = lax.dynamic_update_slice_in_dim(full, x, lax.axis_index(self.name) * b, 0)
+      return lax.psum(full, self.name).astype(kind)
+
+    return jax.tree.map(join, tree)
+
   def reduce_leaves(self, tree: Any) -> Any:
     """Sums each leaf over the axis in an all-reduce of its own, which depends on that leaf
     only: XLA's scheduler can start it as soon as the leaf exists (e.g. while the backward

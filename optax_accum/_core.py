@@ -145,6 +145,12 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags)
 
 
+def zeros_unless(keep: jax.Array, tree: Any) -> Any:
+  """`tree` where the boolean scalar `keep` is True, else exact zeros like it: selected, never
+  multiplied (``0 * nan`` is nan)."""
+  return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
+
+
 def finite_from_sq_norm(sq: jax.Array, tree: Any, cond: Any = lax.cond) -> jax.Array:
   """`all_finite` of `tree`, given its squared norm ``sq = Σ|x|²`` (`_noise.sq_norm`).
 

@@ -67,6 +67,15 @@ AVERAGED_ROWS = (
 )
 
 
+AUX_ROWS_NEED_REDUCTION = (
+  "microbatch: fun differentiates privacy.clipped_loss(..., has_aux=True), whose aux holds one "
+  "row per example; the default reduction of a private function sums every output, rows too, "
+  "and where jax.value_and_grad or jax.grad puts the aux is not known here. Name it: "
+  "reduction=(('sum', 'concat'), 'sum') for jax.value_and_grad(f, has_aux=True) (the rows in "
+  "the batch's order), reduction=('sum', 'concat') for jax.grad(f, has_aux=True)."
+)
+
+
 class _DefaultReduction(str):
   """The default "mean", told apart from a "mean" the caller asked for (`_warn_averaged_rows`)."""
 
@@ -446,6 +455,8 @@ def _private_options(
   (``ClippedGrad.reduction``, else "sum"); and no micro-batch is ever dropped (returns
   ``skip_nonfinite=False``): a non-finite per-example gradient already counts 0 in clipping,
   and dropping a whole micro-batch for a non-finite loss value would remove up to ``b·C``."""
+  if reduction is None and _checks.private_aux_rows(fun):
+    raise ValueError(AUX_ROWS_NEED_REDUCTION)
   if reduction is None:
     reduction = _checks.private_reduction(fun)
   if any(r == "mean" for r in jax.tree.leaves(_outputs.check_reduction(reduction))):

@@ -70,6 +70,22 @@ INSIDE_JIT = (
 )
 
 
+# TrainStep's `has_aux` against a clipped loss's own (`privacy.clipped_loss(..., has_aux=)`),
+# by whether the loss returns an aux.
+AUX_MISMATCH = {
+  True: (
+    "TrainStep: loss_fn is privacy.clipped_loss(..., has_aux=True), which returns (loss, aux), "
+    "but has_aux={has_aux!r}. Pass has_aux=True to TrainStep (it then returns (loss, aux), the "
+    "aux one row per example), or build the loss with has_aux=False."
+  ),
+  False: (
+    "TrainStep: has_aux={has_aux!r}, but loss_fn is privacy.clipped_loss without has_aux: it "
+    "returns the loss alone. For each example's aux build it with clipped_loss(loss, C, "
+    "has_aux=True, ...) (loss returning (value, aux)); else leave has_aux=False."
+  ),
+}
+
+
 def _is_float(x: Any) -> bool:
   return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
@@ -199,7 +215,8 @@ class TrainStep:
       `FollowNoiseScale` policy: each window's length is then decided on the device when the
       window before it closes, from the noise statistics, and read back by the host once per
       update (a scalar; that read waits for the closing program).
-    has_aux: whether `loss_fn` returns ``(loss, aux)``.
+    has_aux: whether `loss_fn` returns ``(loss, aux)`` (for ``privacy.clipped_loss`` it must
+      match the loss's own `has_aux`, else ValueError).
 
       The parameters may hold non-array leaves (an Equinox module's activation functions and
       static fields): they pass through as `eqx.filter_jit` holds them, the state is made from
@@ -246,9 +263,11 @@ class TrainStep:
       leaf's all-reduce can overlap the rest of the backward pass (the closing program is not
       used: the backward pass is compiled into both programs).
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
-      (and float aux) is the mean over the devices. Parameters sharded over the axis (FSDP)
-      are gathered, with a full-size accumulator on every device; without `axis_name`, GSPMD
-      reduces every micro-step instead, into an accumulator sharded like the parameters.
+      (and float aux) is the mean over the devices; the per-example aux of
+      ``privacy.clipped_loss(..., has_aux=True)``, the devices' rows joined. Parameters sharded
+      over the axis (FSDP) are gathered, with a full-size accumulator on every device; without
+      `axis_name`, GSPMD reduces every micro-step instead, into an accumulator sharded like the
+      parameters.
     mesh: the mesh whose `axis_name` to bind; default the one in effect.
     noise_scale: as for `accumulate`: keep the gradient noise-scale statistics in the state
       (read them with `optax_accum.noise_scale(state)`); implied by `FollowNoiseScale`.
@@ -321,6 +340,10 @@ class TrainStep:
     self._private = _checks.private_fun(loss_fn)
     if self._private:
       _accumulate.check_private(self._cfg, "TrainStep")
+    # clipped_loss(..., has_aux=True): its aux holds one row per example (joined over the axis).
+    self._aux_rows = self._private and _checks.private_aux_rows(loss_fn)
+    if self._private and self._aux_rows != bool(has_aux):
+      raise ValueError(AUX_MISMATCH[self._aux_rows].format(has_aux=has_aux))
     axis = self._cfg.axis
     if grad_buffer and axis.stacks:
       raise ValueError("TrainStep: grad_buffer=True needs axis_name=None (per-device gradients).")
@@ -509,8 +532,18 @@ class TrainStep:
     new_params, state, _, value = self._micro_step(
       local, state, _NO_BUFFER, args, weight, emit=emit, replicated=params
     )
-    value = jax.tree.map(lambda x: lax.pmean(x, axis.name) if _is_float(x) else x, value)
-    return (new_params if emit else None), state, value
+    return (new_params if emit else None), state, self._over_devices(value)
+
+  def _over_devices(self, value: Any) -> Any:
+    """The returned loss (and float aux) averaged over the devices; a clipped loss's
+    per-example aux rows (`_aux_rows`) joined instead, in the batch's order (each device holds
+    a contiguous block of the micro-batch's rows)."""
+    axis = self._cfg.axis
+    mean = lambda t: jax.tree.map(lambda x: lax.pmean(x, axis.name) if _is_float(x) else x, t)  # noqa: E731
+    if not self._aux_rows:
+      return mean(value)
+    loss, aux = value
+    return mean(loss), axis.join_rows(aux)
 
   def _micro_step(self, params, state, grad_buffer, args, weight, *, emit: bool, replicated=None):
     """grad → add → (emit: close_window, apply) → advance. With data parallelism `params` are

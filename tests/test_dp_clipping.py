@@ -9,6 +9,7 @@ import _reference as ref
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import optax_accum as oa
@@ -354,3 +355,104 @@ def test_item19_rescale_refuses_noise_scaled_to_c():
   plain = oa.privacy.clipped_grad(ref.mlp_loss, c)
   oa.privacy.dp_noise(1.0, c, 8.0, jax.random.key(19_033))
   assert plain.l2_norm_bound == c and rescaled.l2_norm_bound == 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# clipped_loss(has_aux=True): each example's aux beside the clipped gradient.
+
+MASK = np.arange(N) % 5 != 2  # every fifth example padding
+
+
+def _aux_loss(params, batch):
+  """`_loss_with_aux`, plus an integer aux (no cotangent): each example's larger output."""
+  loss, aux = _loss_with_aux(params, batch)
+  return loss, {**aux, "argmax": jnp.argmax(aux["out"], axis=-1)}
+
+
+def _aux_reference(params, batch):
+  """The summed loss, each example's aux rows (padding 0) and the clipped sum, float64."""
+  values, out = _example_values(params, batch)
+  rows = {"out": np.where(MASK[:, None], out, 0), "argmax": np.where(MASK, out.argmax(-1), 0)}
+  return np.sum(values[MASK]), rows
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_clipped_loss_has_aux_matches_clipped_grad_and_float64_reference(problem, jit):
+  params, batch, clip = problem
+  f = oa.privacy.clipped_loss(_aux_loss, clip, mask_argnum=2, has_aux=True)
+  assert f.has_aux and not oa.privacy.clipped_loss(ref.mlp_loss, clip).has_aux
+  vg = jax.value_and_grad(f, has_aux=True)
+  (value, aux), grads = (jax.jit(vg) if jit else vg)(params, batch, MASK)
+  cg = oa.privacy.clipped_grad(_aux_loss, clip, mask_argnum=2, has_aux=True, return_values=True)
+  cg_grads, cg_aux = cg(params, batch, MASK)
+  # clipped_grad's own outputs, from the same computation
+  assert_close(grads, cg_grads, rtol=1e-7)
+  np.testing.assert_allclose(value, np.sum(cg_aux.values), rtol=1e-6)
+  for name in ("out", "argmax"):
+    np.testing.assert_array_equal(aux[name], cg_aux.aux[name])
+  # ... and the float64 per-example reference
+  want_value, want_rows = _aux_reference(params, batch)
+  np.testing.assert_allclose(value, want_value, rtol=2e-6)
+  np.testing.assert_allclose(aux["out"], want_rows["out"], rtol=2e-6, atol=1e-6)
+  np.testing.assert_array_equal(aux["argmax"], want_rows["argmax"])
+  assert aux["argmax"].dtype == jnp.int32
+  assert_close(grads, reference_sum(params, batch, clip, MASK))
+  # jax.grad: (gradient, aux)
+  g, aux_g = jax.grad(f, has_aux=True)(params, batch, MASK)
+  assert_close(g, grads, rtol=1e-7)
+  np.testing.assert_array_equal(aux_g["out"], aux["out"])
+
+
+def test_clipped_loss_has_aux_in_train_step_and_microbatch(problem):
+  """TrainStep(has_aux=True) returns each micro-batch's aux rows (with axis_name, the devices'
+  rows joined in the batch's order) and the same parameters as without aux; microbatch
+  concatenates the rows in the batch's order beside the same clipped sum."""
+  params, batch, clip = problem
+  _, want_rows = _aux_reference(params, batch)
+  f = oa.privacy.clipped_loss(_aux_loss, clip, mask_argnum=2, has_aux=True)
+  plain = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=2)
+  halves = [slice(0, N // 2), slice(N // 2, N)]
+  mesh = jax.make_mesh((8,), ("data",))
+
+  def run(loss, **kw):
+    step = oa.TrainStep(loss, optax.sgd(0.1), every_k=2, reduction="sum", donate=False, **kw)
+    p, values = jax.tree.map(jnp.asarray, params), []
+    state = step.init(p)
+    for rows in halves:
+      p, state, value = step(p, state, jax.tree.map(lambda v, r=rows: v[r], batch), MASK[rows])
+      values.append(value)
+    return p, values
+
+  want_params, _ = run(plain)
+  for kw in ({}, {"axis_name": "data", "mesh": mesh}):
+    got_params, values = run(f, has_aux=True, **kw)
+    assert_close(got_params, want_params, rtol=1e-6)
+    for rows, (_, aux) in zip(halves, values, strict=True):
+      np.testing.assert_allclose(aux["out"], want_rows["out"][rows], rtol=2e-6, atol=1e-6)
+      np.testing.assert_array_equal(aux["argmax"], want_rows["argmax"][rows])
+  step = oa.microbatch(
+    jax.value_and_grad(f, has_aux=True),
+    4,
+    batch_argnums=(1, 2),
+    reduction=(("sum", "concat"), "sum"),
+  )
+  (value, aux), grads = step(params, batch, MASK)
+  np.testing.assert_allclose(aux["out"], want_rows["out"], rtol=2e-6, atol=1e-6)
+  np.testing.assert_array_equal(aux["argmax"], want_rows["argmax"])
+  assert_close(grads, reference_sum(params, batch, clip, MASK))
+
+
+def test_clipped_loss_has_aux_mistakes_raise_naming_the_fix(problem):
+  params, batch, clip = problem
+  with pytest.raises(TypeError, match=r"clipped_loss: has_aux must be a bool, got 'yes'\."):
+    oa.privacy.clipped_loss(_aux_loss, clip, has_aux="yes")
+  f = oa.privacy.clipped_loss(_aux_loss, clip, has_aux=True)
+  returns_aux = r"clipped_loss\(\.\.\., has_aux=True\), which returns \(loss, aux\), but has_aux"
+  with pytest.raises(ValueError, match=returns_aux + r"=False\. Pass has_aux=True to TrainStep"):
+    oa.TrainStep(f, optax.sgd(0.1), every_k=2, reduction="sum")
+  plain = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  with pytest.raises(ValueError, match=r"has_aux=True, but loss_fn is privacy\.clipped_loss wi"):
+    oa.TrainStep(plain, optax.sgd(0.1), every_k=2, reduction="sum", has_aux=True)
+  named = r"reduction=\(\('sum', 'concat'\), 'sum'\) for jax\.value_and_grad\(f, has_aux=True\)"
+  with pytest.raises(ValueError, match=named):
+    oa.microbatch(jax.value_and_grad(f, has_aux=True), 4)

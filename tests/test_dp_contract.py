@@ -447,6 +447,40 @@ def _aux_values():
   return ratio(jax.jit(lambda m: released(step(P0, X, Y, m)[0])))
 
 
+def aux_loss(p, x, y):
+  """`loss`, with each example's residual as its aux."""
+  r = x @ p["w"] + p["b"] - y
+  return jnp.sum(0.5 * r**2), r
+
+
+def _clipped_aux_loss():
+  return oa.privacy.clipped_loss(aux_loss, C, batch_argnums=(1, 2), mask_argnum=3, has_aux=True)
+
+
+def _train_step_aux():
+  """TrainStep(clipped_loss(..., has_aux=True), has_aux=True): the update is the plain clipped
+  loss's, each micro-batch's aux (its residuals, padding 0) returned beside it."""
+  fn = _clipped_aux_loss()
+  step = oa.TrainStep(fn, inner(), STEPS, reduction="sum", has_aux=True, donate=False)
+  state, p = step.init(P0), jax.tree.map(jnp.array, P0)
+  rows = micro_rows()[0]
+  _, _, (_, r) = step(p, state, X[rows], Y[rows], mask(True)[rows])
+  want = np.where(mask(True)[rows] > 0, X[rows] @ P0["w"] + P0["b"] - Y[rows], 0)
+  np.testing.assert_allclose(r, want, rtol=1e-6, atol=1e-6)
+  return ratio(train_step_run(loss_fn=fn, step_kw={"has_aux": True}))
+
+
+def _microbatch_aux_loss():
+  """microbatch(value_and_grad(clipped_loss(..., has_aux=True), has_aux=True)) with the aux
+  rows "concat": the clipped sum released as before, the rows beside it in batch order."""
+  fun = jax.value_and_grad(_clipped_aux_loss(), has_aux=True)
+  kw = {"reduction": (("sum", "concat"), "sum")}
+  (_, r), _ = oa.microbatch(fun, STEPS, batch_argnums=(1, 2, 3), **kw)(P0, X, Y, mask(True))
+  want = np.where(mask(True) > 0, X @ P0["w"] + P0["b"] - Y, 0)
+  np.testing.assert_allclose(r, want, rtol=1e-6, atol=1e-6)
+  return ratio(microbatch_run(fun=fun, kw=kw, pick=lambda out: out[1]))
+
+
 def _layout_mismatch():
   """A contiguous layout (D' spills into micro-batch 1) under the strided split: the real rows
   of contiguous micro-batch 1 sit in strided micro-batches 1 and 2 — raises with host values,
@@ -490,6 +524,10 @@ SENSITIVITY = {
   "TrainStep:loss_fn=clipped_loss(..., rescale_to_unit_norm=True)": lambda: _rescaled("TrainStep"),
   "microbatch:fun=clipped_grad(..., rescale_to_unit_norm=True)": lambda: _rescaled("microbatch"),
   "microbatch:fun=clipped_grad(..., has_aux=True, return_values=True)": _aux_values,
+  "microbatch:fun=value_and_grad(clipped_loss(..., has_aux=True), has_aux=True)": (
+    _microbatch_aux_loss
+  ),
+  "TrainStep:loss_fn=clipped_loss(..., has_aux=True), has_aux=True": _train_step_aux,
   "microbatch:num_real_microbatches, rows laid out for the other split": _layout_mismatch,
   'dp_epsilon:neighboring_relation="replace_one"': _replace_one,
   "accumulate:empty window": _empty_window,

@@ -262,6 +262,132 @@ def test_dp_noise_train_step_same_noise_on_every_device_shard(problem):
 
 
 # ----------------------------------------------------------------------------------------------
+# A window whose sums are not finite: every front end makes the same noisy update.
+#
+# Clipped sums are finite by construction (a non-finite per-example gradient counts 0), but a
+# gradient clipping did not make (a user's own, a NaN clipping does not catch) can reach a
+# private window. Every front end then drops what `skip_nonfinite` says (the micro-batch, or
+# with "window" the whole window), counts it in `num_skipped`, and still makes the window's
+# noisy update, counted by `dp_updates`: the update of the sums without what was dropped.
+
+WK, DEVICES = 3, 8  # micro-steps per window; devices of the axis (each takes 1/8 of a gradient)
+NAN_AT = 1  # the micro-step of the first window whose gradient holds the NaN
+NF_PARAMS = {"w": np.array([0.5, -1.0, 2.0], np.float32), "b": np.float32(0.25)}
+
+
+def _pieces(i, planted=(), zero=False):
+  """Micro-step `i`'s gradient as DEVICES equal pieces (a leading axis; powers of two, so any
+  order of summing them is exact), with a NaN in ``w[0]`` of the pieces in `planted`; `zero`:
+  the micro-batch dropped, for the reference."""
+  g = {"w": np.array([1.0, -2.0, 0.5], np.float32) * (i + 1), "b": np.float32(i + 1)}
+  pieces = {
+    k: np.repeat(np.float32(v)[None] / DEVICES * (not zero), DEVICES, 0) for k, v in g.items()
+  }
+  for d in planted:
+    pieces["w"][d, 0] = np.nan
+  return pieces
+
+
+def piece_loss(p, pieces):
+  """A loss whose gradient is the sum of `pieces` along their leading axis (NaN included)."""
+  return jnp.sum(p["w"] * pieces["w"].sum(0)) + p["b"] * pieces["b"].sum()
+
+
+def _dp_inner():
+  """σ > 0, one key for every front end (the same run, rebuilt): the same noise in each."""
+  key = jax.random.key(2026)
+  return optax.chain(oa.privacy.dp_noise(0.5, 1.0, 4.0, key, allow_key_reuse=True), optax.sgd(1.0))
+
+
+def _counters(state):
+  return {
+    "gradient_step": int(state.gradient_step),
+    "num_skipped": np.broadcast_to(np.asarray(state.num_skipped), (DEVICES,)).tolist(),
+    "dp_updates": int(oa.privacy.dp_updates(state)),
+  }
+
+
+def _nf_accumulate(skip, batches, emit_static=False):
+  tx = oa.accumulate(_dp_inner(), WK, reduction="sum", skip_nonfinite=skip)
+  kw = lambda i: {"emit": i % WK == WK - 1} if emit_static else {}  # noqa: E731
+  update = jax.jit(tx.update, static_argnames="emit")
+  p, state, after = NF_PARAMS, tx.init(NF_PARAMS), []
+  for i, pieces in enumerate(batches):
+    u, state = update(jax.grad(piece_loss)(p, pieces), state, p, **kw(i))
+    p = optax.apply_updates(p, u)
+    if i % WK == WK - 1:
+      after.append(p)
+  return after, state
+
+
+def _nf_accumulate_shard_map(skip, batches):
+  mesh = jax.make_mesh((DEVICES,), (AX,))
+  tx = oa.accumulate(_dp_inner(), WK, reduction="sum", skip_nonfinite=skip, axis_name=AX)
+
+  def micro(p, state, pieces):
+    u, state = tx.update(jax.grad(piece_loss)(lax.pcast(p, AX, to="varying"), pieces), state, p)
+    return optax.apply_updates(p, u), state
+
+  pspec = jax.tree.map(lambda _: P(), NF_PARAMS)
+  sspec = oa.state_partition_specs(tx, pspec, AX)
+  init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(pspec,), out_specs=sspec))
+  specs = (pspec, sspec, P(AX))
+  step = jax.jit(jax.shard_map(micro, mesh=mesh, in_specs=specs, out_specs=(pspec, sspec)))
+  p = ref.shard(NF_PARAMS, mesh, P())
+  state, after = init(p), []
+  for i, pieces in enumerate(batches):
+    p, state = step(p, state, ref.shard(pieces, mesh, P(AX)))
+    if i % WK == WK - 1:
+      after.append(p)
+  return after, state
+
+
+def _nf_train_step(skip, batches, **kw):
+  step = oa.TrainStep(
+    piece_loss, _dp_inner(), WK, reduction="sum", skip_nonfinite=skip, donate=False, **kw
+  )
+  p = jax.tree.map(jnp.asarray, NF_PARAMS)
+  state, after = step.init(p), []
+  for i, pieces in enumerate(batches):
+    p, state, _ = step(p, state, pieces)
+    if i % WK == WK - 1:
+      after.append(p)
+  return after, state
+
+
+@pytest.mark.parametrize("skip", [True, "window"])
+def test_private_nonfinite_window_same_in_every_front_end(skip):
+  # "window": one device's piece is NaN, which makes the window's global sums NaN: dropped
+  # whole, on every device. True: the micro-batch is NaN on every device (each device drops its
+  # own piece, so a NaN on one device would drop that piece only, as designed).
+  planted = (0,) if skip == "window" else tuple(range(DEVICES))
+  batches = [_pieces(i, planted if i == NAN_AT else ()) for i in range(2 * WK)]
+  dropped = range(WK) if skip == "window" else (NAN_AT,)
+  clean = [_pieces(i, zero=i in dropped) for i in range(2 * WK)]
+  want, _ = _nf_accumulate(False, clean)  # the same noise on sums without what was dropped
+  mesh = jax.make_mesh((DEVICES,), (AX,))
+  runs = {
+    "accumulate": lambda: _nf_accumulate(skip, batches),
+    "accumulate(emit=)": lambda: _nf_accumulate(skip, batches, emit_static=True),
+    "accumulate(axis_name) in shard_map": lambda: _nf_accumulate_shard_map(skip, batches),
+    "TrainStep": lambda: _nf_train_step(skip, batches),
+    "TrainStep(axis_name)": lambda: _nf_train_step(skip, batches, axis_name=AX, mesh=mesh),
+  }
+  counters = {"gradient_step": 2, "num_skipped": [len(dropped)] * DEVICES, "dp_updates": 2}
+  for name, run in runs.items():
+    after, state = run()
+    for got, expected in zip(after, want, strict=True):
+      for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=name)
+    assert _counters(state) == counters, name
+  # The dropped window's update is the noise alone: the parameters moved, by σC/B-sized steps.
+  if skip == "window":
+    pairs = zip(jax.tree.leaves(want[0]), jax.tree.leaves(NF_PARAMS), strict=True)
+    assert max(np.max(np.abs(a - b)) for a, b in pairs) > 0.01
+
+
+# ----------------------------------------------------------------------------------------------
 # Random numbers in the compiled programs: once per update, whatever k.
 
 

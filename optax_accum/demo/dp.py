@@ -4,7 +4,8 @@ Differentially private training (DP-SGD, here DP-Adam) of a small MLP on scikit-
 handwritten digits with Poisson-sampled logical batches far larger than the micro-batch:
 
 * `PoissonSampler` draws each logical batch (expected size ``--batch-size``) and pads it to
-  whole micro-batches of ``--micro`` examples with a mask;
+  whole micro-batches of ``--micro`` examples with a mask; micro-step ``i`` takes
+  ``batch.microbatch(i)``, micro-batch ``i`` in the batch's own layout (its split);
 * `TrainStep(clipped_loss(loss, C), chain(dp_noise(σ, C, B, key), adam), reduction="sum")`
   sums the clipped per-example gradients over the batch's micro-steps (the window length is
   chosen on the host, ``force_emit`` on the last micro-step) and adds the noise once;
@@ -118,10 +119,9 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
   for _ in range(args.updates):
     batch = next(sampler)
     for i in range(batch.num_microbatches):
-      rows = slice(i * args.micro, (i + 1) * args.micro)
-      idx = batch.indices[rows]
+      idx, mask = batch.microbatch(i)  # micro-batch i in the batch's own layout (its split)
       last = i == batch.num_microbatches - 1
-      params, state, _ = step(params, state, x[idx], y[idx], batch.mask[rows], force_emit=last)
+      params, state, _ = step(params, state, x[idx], y[idx], mask, force_emit=last)
       micro_steps += 1
     bar.set_postfix_str(f"{micro_steps} micro-steps", refresh=False)
     bar.update(1)

@@ -591,8 +591,9 @@ def clipped_loss(
   *,
   batch_argnums: ArgNums = 1,
   mask_argnum: int | None = None,
+  has_aux: bool = False,
   rescale_to_unit_norm: bool = False,
-) -> Callable[..., jax.Array]:
+) -> Callable[..., Any]:
   """A loss whose gradient is `clipped_grad`'s clipped sum: DP for `TrainStep`/`accumulate`.
 
   Its value is ``Σᵢ loss(params, *exampleᵢ)`` over the real examples (the per-example values
@@ -602,46 +603,67 @@ def clipped_loss(
   accumulates clipped sums, e.g. ``TrainStep(clipped_loss(loss, C), optax.chain(dp_noise(...),
   optax.sgd(lr)), every_k=k, reduction="sum")``. Only argument 0 is differentiable.
 
+  With `has_aux` it returns ``(value, aux)``, each example's aux one row of `aux` (as
+  `clipped_grad`'s ``ClipAux.aux``), from the same forward pass: differentiate it with
+  ``jax.value_and_grad(f, has_aux=True)`` or ``TrainStep(f, ..., has_aux=True)`` (with
+  ``axis_name``, the devices' rows joined in the batch's order). In `microbatch` name the
+  reduction, the rows "concat": ``reduction=(("sum", "concat"), "sum")`` for
+  ``jax.value_and_grad(f, has_aux=True)``.
+
   Args:
     loss: as for `clipped_grad`.
     l2_clip: as for `clipped_grad`.
     batch_argnums: as for `clipped_grad`.
     mask_argnum: as for `clipped_grad`.
+    has_aux: `loss` returns ``(value, aux)``; `f` then returns ``(Σᵢ valueᵢ, aux)`` with each
+      example's aux stacked as `clipped_grad`'s (one row each, an axis 1 of size 1 dropped,
+      padding rows 0): not privatised, do not release it.
     rescale_to_unit_norm: as for `clipped_grad`: the gradient is ``Σᵢ clip_C(∇ℓᵢ) / C``
       (the value is not rescaled). Give the returned function to `dp_noise` as ``l2_clip``.
 
   Returns:
-    ``f(params, *args) -> scalar`` with the custom gradient; ``f.l2_norm_bound`` is one
-    example's bound (``C``, or 1 rescaled), as `ClippedGrad`'s.
+    ``f(params, *args) -> scalar`` (``-> (scalar, aux)`` with `has_aux`) with the custom
+    gradient; ``f.l2_norm_bound`` is one example's bound (``C``, or 1 rescaled), as
+    `ClippedGrad`'s, and ``f.has_aux`` says whether it returns an aux.
 
   Raises:
-    TypeError, ValueError: as `clipped_grad`.
+    TypeError, ValueError: as `clipped_grad` (a `has_aux` that is not a bool: TypeError).
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)
   >>> f = optax_accum.privacy.clipped_loss(loss, 1.0)
   >>> jax.grad(f)(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
   Array([0.90000004, 1.2       ], dtype=float32)
+  >>> g = optax_accum.privacy.clipped_loss(lambda w, x: (loss(w, x), x @ w), 1.0, has_aux=True)
+  >>> (value, rows), grads = jax.value_and_grad(g, has_aux=True)(
+  ...   jnp.ones(2), jnp.array([[3.0, 4.0], [0.5, 0.25]]))
+  >>> rows  # each example's aux (its x @ w), one row each
+  Array([7.  , 0.75], dtype=float32)
   """
   opts = _options(
-    "clipped_loss", loss, l2_clip, batch_argnums, mask_argnum,
+    "clipped_loss", loss, l2_clip, batch_argnums, mask_argnum, has_aux=has_aux,
     rescale_to_unit_norm=rescale_to_unit_norm,
   )  # fmt: skip
 
-  def f(params: Any, *args: Any) -> jax.Array:
+  def f(params: Any, *args: Any) -> Any:
     split = split_params(params)
     clipped = lambda arrays: clipped_sum(loss, opts, split._replace(arrays=arrays), args)  # noqa: E731
 
+    # The value (and with has_aux its per-example aux, which no gradient flows through) from
+    # the one forward pass that also clips the per-example gradients.
     @jax.custom_vjp
     def value(arrays):
-      return clipped(arrays).value
+      out = clipped(arrays)
+      return (out.value, out.aux) if opts.has_aux else out.value
 
     def fwd(arrays):
       out = clipped(arrays)
-      return out.value, (out.sums, arrays)
+      primal = (out.value, out.aux) if opts.has_aux else out.value
+      return primal, (out.sums, arrays)
 
     def bwd(res, ct):
       sums, arrays = res
+      ct = ct[0] if opts.has_aux else ct  # the aux's cotangent is not the loss's
       scaled = [(ct * g).astype(g.dtype) for g in sums]
       return (like_params(scaled, arrays),)
 
@@ -650,5 +672,6 @@ def clipped_loss(
 
   f.l2_norm_bound = 1.0 if opts.rescale else opts.l2_clip  # type: ignore[attr-defined]
   f.mask_argnum = opts.mask_argnum  # type: ignore[attr-defined]
+  f.has_aux = opts.has_aux  # type: ignore[attr-defined]
   _register(f, opts.l2_clip, opts.rescale)
   return f

@@ -87,7 +87,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("accumulate", 'skip_nonfinite="window"', KEPT,
      "a window is dropped only if its sums are not finite, which clipped sums never are (a "
      "non-finite per-example gradient counts 0; n clipped gradients sum to at most n·C, far "
-     "below float32's overflow): the noisy update always happens and is counted"),
+     "below float32's overflow); a dropped window (a gradient clipping did not make) makes, "
+     "like an empty one, the noisy update of zero sums: the noisy update always happens and "
+     "is counted, with or without axis_name, and its micro-batches count in num_skipped"),
   _R("accumulate", "empty window", MADE_RIGHT,
      "a window whose every micro-batch was dropped still makes the noisy update, counted by "
      "dp_updates (the accountant counts every window)"),
@@ -115,10 +117,14 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "loss_fn=clipped_loss(..., rescale_to_unit_norm=True)", MADE_RIGHT,
      "each clipped gradient ÷ C: one example moves the sum by at most 1, and dp_noise given "
      "the loss as l2_clip draws σ·1 (the same ε as the unscaled run, whose update it is ÷ C)"),
+  _R("TrainStep", "loss_fn=clipped_loss(..., has_aux=True), has_aux=True", KEPT,
+     "each example's aux rides beside the same clipped sum, from the same forward pass (with "
+     "axis_name the devices' rows joined); it is monitoring, not a private release"),
   _R("TrainStep", "skip_nonfinite=True", KEPT,
      "judges the clipped gradients only: a NaN loss value drops nothing"),
   _R("TrainStep", 'skip_nonfinite="window"', KEPT,
-     "as accumulate's: clipped sums are finite, so no window is dropped"),
+     "as accumulate's: clipped sums are finite, so no window is dropped; one that is not finite "
+     "makes the noisy update of zero sums, counted, with or without axis_name"),
   _R("TrainStep", "weight_fn", REFUSED, "multiplies the clipped sums by a data-dependent weight",
      "weight_fn"),
   _R("TrainStep", "step(..., weight=...)", REFUSED, "multiplies the clipped sums", "weight"),
@@ -135,6 +141,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("microbatch", "fun=clipped_grad(..., has_aux=True, return_values=True)", KEPT,
      "the per-example loss values and aux ride as \"concat\" rows beside the same clipped sum "
      "(from the same forward pass); they are monitoring, not a private release"),
+  _R("microbatch", "fun=value_and_grad(clipped_loss(..., has_aux=True), has_aux=True)", KEPT,
+     "the per-example aux rides as \"concat\" rows beside the same clipped sum: name the "
+     "reduction, ((\"sum\", \"concat\"), \"sum\") (omitted, it raises naming it; the "
+     "default would sum the rows)"),
   _R("microbatch", "fun=clipped_grad(..., rescale_to_unit_norm=True)", MADE_RIGHT,
      "each clipped gradient ÷ C: one example moves the sum by at most 1, and dp_noise given "
      "the function as l2_clip draws σ·1 (the same ε as the unscaled run, whose update it is ÷ C)"),
