@@ -263,7 +263,8 @@ class TrainStep:
       leaf's all-reduce can overlap the rest of the backward pass (the closing program is not
       used: the backward pass is compiled into both programs).
       `init` places the per-device accumulator (`state_partition_specs`). The returned loss
-      (and float aux) is the mean over the devices; the per-example aux of
+      (and float aux) is the mean over the devices (with ``reduction="sum"`` their sum: the
+      whole micro-batch's, as the gradient is); the per-example aux of
       ``privacy.clipped_loss(..., has_aux=True)``, the devices' rows joined. Parameters sharded
       over the axis (FSDP) are gathered, with a full-size accumulator on every device; without
       `axis_name`, GSPMD reduces every micro-step instead, into an accumulator sharded like the
@@ -535,11 +536,13 @@ class TrainStep:
     return (new_params if emit else None), state, self._over_devices(value)
 
   def _over_devices(self, value: Any) -> Any:
-    """The returned loss (and float aux) averaged over the devices; a clipped loss's
-    per-example aux rows (`_aux_rows`) joined instead, in the batch's order (each device holds
-    a contiguous block of the micro-batch's rows)."""
+    """The returned loss (and float aux) over the devices: averaged, or with
+    ``reduction="sum"`` summed (a sum loss's value for the whole micro-batch, as its gradient
+    is; a clipped loss is one); a clipped loss's per-example aux rows (`_aux_rows`) joined
+    instead, in the batch's order (each device holds a contiguous block of the rows)."""
     axis = self._cfg.axis
-    mean = lambda t: jax.tree.map(lambda x: lax.pmean(x, axis.name) if _is_float(x) else x, t)  # noqa: E731
+    over = lax.psum if self._cfg.reduction == "sum" else lax.pmean
+    mean = lambda t: jax.tree.map(lambda x: over(x, axis.name) if _is_float(x) else x, t)  # noqa: E731
     if not self._aux_rows:
       return mean(value)
     loss, aux = value

@@ -788,3 +788,23 @@ def test_binder_does_not_import_the_optimizer_state():
   names = {a.name for n in top for a in n.names}
   names |= {n.module for n in top if isinstance(n, ast.ImportFrom)}
   assert not names & {"_accumulate", "_sharding", "optax_accum._accumulate"}, names
+
+
+def test_train_step_loss_over_the_devices_follows_the_reduction():
+  """With `axis_name` the returned loss is the whole micro-batch's: the devices' mean for a mean
+  loss, their sum with reduction="sum" (a sum loss, such as a clipped one, whose gradient is the
+  sum over the devices too), not the mean of per-device sums (1/8 of it)."""
+  params = ref.mlp_params(0, SIZES)
+  batch = ref.regression_data(3, D * ROWS, d_in=SIZES[0], d_out=SIZES[-1])  # no padding rows
+  summed = lambda p, b: ref.mlp_loss(p, b) * b["x"].shape[0]  # noqa: E731
+  with jax.set_mesh(_mesh(AxisType.Auto)):
+    for reduction, loss in (("mean", ref.mlp_loss), ("sum", summed)):
+      step = optax_accum.TrainStep(loss, ref.SGD, 2, axis_name=AX, reduction=reduction)
+      for emit in (False, True):  # the accumulating program, then the emitting one
+        p = jax.tree.map(jnp.asarray, params)
+        state = step.init(p)
+        if emit:
+          p, state, _ = step(p, state, batch)
+        want = loss(jax.device_get(p), batch)
+        value = step(p, state, batch)[2]
+        np.testing.assert_allclose(float(value), float(want), rtol=2e-6, err_msg=reduction)
