@@ -21,6 +21,8 @@ ROOT = DOCS.parent
 sys.path.insert(0, str(ROOT))  # document the source tree this conf.py belongs to
 sys.path.insert(0, str(DOCS / "_ext"))
 
+import guide_pages  # noqa: E402
+
 import optax_accum  # noqa: E402
 
 project = "optax_accum"
@@ -57,10 +59,14 @@ LM_RUN = json.loads((ROOT / "benchmarks" / "results" / "lm" / "results.json").re
 myst_substitutions = {f"lm_{name}": value for name, value in LM_RUN["figures"].items()}
 myst_substitutions["lm_command"] = f"`{LM_RUN['command']}`"
 
-# Every {code-cell} of a MyST page is executed on each build that reads it; an exception in a
-# cell fails the build. The notebook copied from notebooks/ is rendered with its committed
-# outputs (tests/test_notebooks.py executes it).
-nb_execution_mode = "force"
+# Every {code-cell} of a MyST page is executed by the build that reads it, unless the cache
+# below holds a run of the same cells; an exception in a cell fails the build. tests/
+# test_guides_run.py runs every guide and records its run there, so CI runs each page once
+# (`.ci/docs --executed-by-tests`); otherwise `.ci/docs` empties the cache first. The notebook
+# copied from notebooks/ is rendered with its committed outputs (tests/test_notebooks.py
+# executes it).
+nb_execution_mode = "cache"
+nb_execution_cache_path = str(guide_pages.EXECUTED)
 # The kernels that run them talk to the build over IPC sockets in a private temporary
 # directory, not TCP: nothing here needs a network port, and ipykernel ≥ 7 warns at every
 # kernel start that TCP is unencrypted. myst-nb has no option that reaches the kernel manager,

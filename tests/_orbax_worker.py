@@ -1,9 +1,10 @@
 """The training run of tests/test_orbax.py, importable and runnable as a fresh process.
 
-``python tests/_orbax_worker.py resume CKPT_DIR OUT.npz`` restores a checkpoint that
-`save_mid_window` wrote (in another process), finishes the run and writes the parameters (and
-the restored window position) to OUT.npz. The test compares them bit for bit with the run that
-was never interrupted. Run as a script, Python puts tests/ on the path: `_reference` imports.
+``python tests/_orbax_worker.py resume CKPT_DIR OUT.npz VARIANT [CKPT_DIR OUT.npz VARIANT ...]``
+restores each checkpoint that `save_mid_window` wrote (in another process), finishes its run and
+writes the parameters (and the restored window position) to its OUT.npz: one fresh process for
+every variant. The test compares them bit for bit with the runs that were never interrupted.
+Run as a script, Python puts tests/ on the path: `_reference` imports.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def resume(path, out, variant="adam"):
 
 
 if __name__ == "__main__":
-  mode, path, out, *variant = sys.argv[1:]
-  if mode != "resume":
-    raise SystemExit(f"usage: {sys.argv[0]} resume CKPT_DIR OUT.npz [VARIANT] (got {mode!r})")
-  resume(path, out, *variant)
+  mode, *jobs = sys.argv[1:]
+  if mode != "resume" or not jobs or len(jobs) % 3:
+    raise SystemExit(f"usage: {sys.argv[0]} resume CKPT_DIR OUT.npz VARIANT [...] (got {mode!r})")
+  for i in range(0, len(jobs), 3):
+    resume(*jobs[i : i + 3])

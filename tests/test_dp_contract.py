@@ -215,23 +215,20 @@ def _model_sharded(run) -> float:
   """‖Δupdate‖·B/C on a (data, model) layout of `test_dp_layouts` (a tensor-parallel MLP, its
   hidden layer split over "model"): D has an example whose residual is zero (its gradient is
   0 up to rounding: absent), D' the same example with its target moved by 1e3 (its gradient is
-  clipped to exactly C). The same noise key (σ = 0.5) for both: the noise cancels."""
+  clipped to exactly C). The same noise key (σ = 0.5) for both: the noise cancels. `run` maps
+  the two batches to their two updates (one compilation)."""
   import test_dp_layouts as lay  # noqa: PLC0415  (8-device tests only)
 
   params, batch, clip, expected = lay.problem()
   x = batch["x"][:1]
   h = np.tanh(np.float64(x) @ params["w0"] + params["b0"])
   target = (h @ params["w1"] + params["b1"]).astype(np.float32)
-  updates = []
+  neighbours = []
   for shift in (0.0, 1e3):
     y = batch["y"].copy()
     y[:1] = target + shift
-    neighbour = {**batch, "y": y}
-    saved, lay.problem = lay.problem, lambda b=neighbour: (params, b, clip, expected)
-    try:
-      updates.append(run())
-    finally:
-      lay.problem = saved
+    neighbours.append({**batch, "y": y})
+  updates = run(neighbours)
   diff = [
     np.float64(a) - np.float64(b)
     for a, b in zip(jax.tree.leaves(updates[1]), jax.tree.leaves(updates[0]), strict=True)
@@ -251,7 +248,9 @@ def shard_map_data_model() -> float:
   import test_dp_layouts as lay  # noqa: PLC0415
 
   return _model_layouts([
-    lambda front=front: lay.run_shard_map((4, 2), front, 0.5)[0][0]
+    lambda batches, front=front: [
+      update for update, _ in lay.run_shard_map((4, 2), front, 0.5, batches=batches)
+    ]
     for front in ("microbatch", "accumulate")
   ])  # fmt: skip
 
@@ -261,7 +260,7 @@ def jit_data_model() -> float:
   import test_dp_layouts as lay  # noqa: PLC0415
 
   return _model_layouts([
-    lambda kind=kind, front=front: lay.run_jit(kind, front, 0.5)[0]
+    lambda batches, kind=kind, front=front: lay.run_jit(kind, front, 0.5, batches=batches)
     for kind in ("auto", "explicit")
     for front in ("microbatch", "TrainStep")
   ])  # fmt: skip

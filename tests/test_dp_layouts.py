@@ -33,6 +33,7 @@ seeds.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import _reference as ref
@@ -203,8 +204,9 @@ def _all_varying(tree, axes):
   )
 
 
-def run_shard_map(shape, front, sigma, seeds=(0,)):
-  """The update inside shard_map over `shape` ((8,) data, or (d, m) data × model)."""
+def run_shard_map(shape, front, sigma, seeds=(0,), batches=None):
+  """The update inside shard_map over `shape` ((8,) data, or (d, m) data × model), for each of
+  `batches` (default: the problem's batch) and each seed, in that order: one compilation."""
   params, batch, clip, _ = problem()
   mesh = _sm_mesh(shape)
   axes = tuple(mesh.axis_names)
@@ -219,7 +221,7 @@ def run_shard_map(shape, front, sigma, seeds=(0,)):
       return u, _device_pieces(u, axes)
 
     sspecs = jax.tree.map(lambda _: P(), tx.init(params))
-    batches = [batch]
+    micro = lambda b: [b]  # noqa: E731
   else:
     tx = oa.accumulate(tx, K, reduction="sum", axis_name=AX)
     grad = jax.grad(privacy.clipped_loss(fn, clip))
@@ -229,7 +231,7 @@ def run_shard_map(shape, front, sigma, seeds=(0,)):
       return (u, _device_pieces(u, axes)), s
 
     sspecs = oa.state_partition_specs(tx, specs, AX, params=params)
-    batches = ref.split(batch, K)
+    micro = lambda b: ref.split(b, K)  # noqa: E731
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(specs,), out_specs=sspecs))
   out = (specs, P(axes))
   prog = jax.jit(
@@ -242,10 +244,10 @@ def run_shard_map(shape, front, sigma, seeds=(0,)):
   )
   p = ref.shard(params, mesh, P()) if len(shape) == 1 else _put(params, mesh, specs)
   results = []
-  for seed in seeds:
+  for b, seed in itertools.product(batches or [batch], seeds):
     state = init(p)
     state = optax.tree_utils.tree_set(state, key=jax.random.key_data(_key(seed)))
-    for mb in batches:
+    for mb in micro(b):
       r = prog(p, state, ref.shard(mb, mesh, P(AX)))
       if front != "microbatch":
         r, state = r
@@ -257,9 +259,10 @@ def _put(tree, mesh, specs):
   return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
 
 
-def run_jit(kind, front, sigma, seeds=(0,)):
+def run_jit(kind, front, sigma, seeds=(0,), batches=None):
   """The update under plain jax.jit with a (4, 2) mesh: "auto", "explicit" (data × model) or
-  "fsdp" (data × fsdp, Auto)."""
+  "fsdp" (data × fsdp, Auto), for each of `batches` (default: the problem's batch) and each
+  seed, in that order: one compilation."""
   params, batch, clip, _ = problem()
   second = "fsdp" if kind == "fsdp" else "model"
   types = (AxisType.Explicit if kind == "explicit" else AxisType.Auto,) * 2
@@ -278,8 +281,8 @@ def run_jit(kind, front, sigma, seeds=(0,)):
       def step(p, s, b):
         return tx.update(summed(p, b), s, p)[0]
 
-      for seed in seeds:
-        b = jax.device_put(batch, NamedSharding(mesh, bspec))
+      for b, seed in itertools.product(batches or [batch], seeds):
+        b = jax.device_put(b, NamedSharding(mesh, bspec))
         out.append(jax.device_get(step(p, _state_with_key(tx, params, seed), b)))
     else:
       inner = optax.chain(_noise(sigma), Record())
@@ -287,9 +290,9 @@ def run_jit(kind, front, sigma, seeds=(0,)):
         privacy.clipped_loss(fn, clip), inner, every_k=K, reduction="sum", axis_name=AX,
         donate=False,
       )  # fmt: skip
-      for seed in seeds:
+      for b, seed in itertools.product(batches or [batch], seeds):
         state = optax.tree_utils.tree_set(train.init(p), key=jax.random.key_data(_key(seed)))
-        for mb in ref.split(batch, K):
+        for mb in ref.split(b, K):
           _, state, _ = train(p, state, jax.device_put(mb, NamedSharding(mesh, bspec)))
         out.append(jax.device_get(recorded(state)))
   return out

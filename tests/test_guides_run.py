@@ -1,11 +1,16 @@
 """Every guide page runs as the page says it runs, and its figures are those of its output.
 
 * A page with ``{code-cell}`` blocks says, under its title, that they are one script run top to
-  bottom (docs/_ext/guide_pages.py puts the note there). Here each such page's cells run as
-  one file in a fresh interpreter, in order, as a reader who copies them all runs them; a cell
-  whose last line is an expression prints it, as the notebook shows it.
+  bottom (docs/_ext/guide_pages.py puts the note there). Here each such page's cells run in
+  order in one fresh Python process, as a reader who copies them all runs them: a Jupyter
+  kernel started for the page, the process the docs build runs them in. Its cells joined are a
+  plain Python program (no IPython syntax, no name only IPython defines), so the kernel's run is
+  the script's run.
 * A figure a sentence quotes from that output is written ``{output}`figure``` and must appear,
   as written, in the output of the cells above the sentence.
+* Each run is recorded in the docs build's cache (``guide_pages.EXECUTED``), which the build
+  renders instead of running the page again: CI builds the docs after the tests
+  (``.ci/docs --executed-by-tests``), so every page runs once.
 * The plain ``python`` blocks of an executed page are not executed by the build: each is a whole
   program, run here alone (the multi-host ``train.py`` through `optax_accum.launch`).
 """
@@ -17,10 +22,14 @@ import functools
 import os
 import pathlib
 import re
-import subprocess
 import sys
+import tempfile
 
 import pytest
+from jupyter_client.manager import KernelManager
+from myst_nb.core.read import read_myst_markdown_notebook
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GUIDES = ROOT / "docs" / "guides"
@@ -30,36 +39,60 @@ import guide_pages  # noqa: E402
 
 PAGES = sorted(p.stem for p in GUIDES.glob("*.md") if "{code-cell}" in p.read_text())
 OUTPUT = re.compile(r"\{output\}`([^`]+)`")
-CELL_MARK = "<<<optax_accum guide cell {}>>>"
 
 
-def _script(cells: list[str]) -> str:
-  """One program of the cells, each preceded by a line marking where its output starts."""
-  parts = []
-  for i, cell in enumerate(cells):
-    tree = ast.parse(cell)
-    if tree.body and isinstance(tree.body[-1], ast.Expr):  # the notebook shows its value
-      last = tree.body[-1]
-      show = ast.parse("_ = None\nif _ is not None: print(repr(_))").body
-      show[0].value = last.value
-      tree.body[-1:] = show
-    parts.append(f"print({CELL_MARK.format(i)!r}, flush=True)\n{ast.unparse(tree)}\n")
-  return "\n".join(parts)
+# Names an IPython kernel defines that a plain script does not: a cell that reads one runs in
+# the kernel and fails as a script.
+IPYTHON_ONLY = {"display", "get_ipython", "In", "Out", "_ih", "_oh", "_", "__", "___"}
+
+
+def _ipython_only(cells: list[str]) -> list[str]:
+  """What keeps the cells joined from being a plain Python program: IPython syntax (magics,
+  shell escapes, top-level ``await``: a SyntaxError) or a read of a name only IPython defines."""
+  try:
+    script = "\n".join(cells)
+    compile(script, "<page>", "exec")  # top-level await passes ast.parse, not this
+    tree = ast.parse(script)
+  except SyntaxError as e:
+    return [f"not plain Python: {e}"]
+  names = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in IPYTHON_ONLY]
+  bound = {n.id for n in names if not isinstance(n.ctx, ast.Load)}
+  return sorted({n.id for n in names if isinstance(n.ctx, ast.Load) and n.id not in bound})
+
+
+def _printed(cell) -> str:
+  """What a cell printed (stdout) and its last expression's value, as a script shows them."""
+  return "".join(
+    out["text"] if out["output_type"] == "stream" else out["data"]["text/plain"] + "\n"
+    for out in cell.outputs
+    if out.get("name") == "stdout" or out["output_type"] == "execute_result"
+  )
 
 
 @functools.cache
 def _run_page(name: str) -> tuple[list[str], str]:
-  """Runs the page's cells as one script; returns each cell's stdout and the page's source."""
-  source = (GUIDES / f"{name}.md").read_text()
+  """Runs the page's cells in order in a fresh kernel (one process) and records the executed
+  page in the docs build's cache; returns each cell's printed output and the page's source."""
+  path = GUIDES / f"{name}.md"
+  source = path.read_text()
+  # The notebook the docs build reads from the page (myst-nb's reader, as it calls it): the
+  # cache matches the build's notebook to this one by its code cells.
+  nb = read_myst_markdown_notebook(source, add_source_map=True, path=str(path))
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
   env.pop("XLA_FLAGS", None)  # a reader's fresh shell: a page that needs devices sets them
-  proc = subprocess.run(
-    [sys.executable, "-c", _script(guide_pages.code_cells(source))],
-    cwd=GUIDES, env=env, capture_output=True, text=True, timeout=900,
-  )  # fmt: skip
-  assert proc.returncode == 0, f"{name}.md as one script:\n{proc.stderr[-4000:]}"
-  outputs = re.split(r"<<<optax_accum guide cell \d+>>>\n", proc.stdout)[1:]
-  return outputs, source
+  with tempfile.TemporaryDirectory(prefix="optax_accum_guide_") as ipc:
+    # IPC sockets, not TCP, as the docs build's kernels (docs/conf.py says why).
+    kernel = nb.metadata.kernelspec.name
+    km = KernelManager(kernel_name=kernel, transport="ipc", ip=os.path.join(ipc, "kernel"))
+    # No timing in the cells' metadata: the cache keys a page by its cells, metadata included.
+    where = {"metadata": {"path": str(GUIDES)}}
+    client = NotebookClient(nb, km=km, timeout=900, record_timing=False, resources=where)
+    try:
+      client.execute(env=env)
+    except CellExecutionError as e:
+      pytest.fail(f"{name}.md, its cells run top to bottom:\n{str(e)[-4000:]}")
+  guide_pages.record_executed(nb, str(path))
+  return [_printed(cell) for cell in nb.cells if cell.cell_type == "code"], source
 
 
 def test_code_cells_and_note_read_a_page():
@@ -79,8 +112,21 @@ def test_code_cells_and_note_read_a_page():
   assert source[0].startswith("# Title\n\n:::{note}\nThe code on this page is one script")
 
 
-def test_script_shows_a_cells_last_expression():
-  assert _script(["x = 2\nx * 3"]).endswith("_ = x * 3\nif _ is not None:\n    print(repr(_))\n")
+def test_ipython_only_finds_what_a_script_cannot_run():
+  assert _ipython_only(["import jax\n", "for _ in range(2):\n  x = jax.numpy.ones(3)\nx\n"]) == []
+  assert _ipython_only(["x = 1\n", "display(x)\n"]) == ["display"]
+  assert _ipython_only(["x = 1\n", "_ + 1\n"]) == ["_"]
+  assert _ipython_only(["%timeit x = 1\n"])[0].startswith("not plain Python")
+  assert _ipython_only(["import asyncio\nawait asyncio.sleep(0)\n"])[0].startswith("not plain")
+
+
+def test_every_executed_guide_is_a_plain_python_script():
+  found = {}
+  for name in PAGES:
+    cells = guide_pages.code_cells((GUIDES / f"{name}.md").read_text())
+    if problems := _ipython_only(cells):
+      found[name] = problems
+  assert found == {}, f"cells that run in a kernel but not as one script: {found}"
 
 
 def test_every_executed_guide_gets_the_one_script_note():
@@ -96,7 +142,7 @@ def test_every_guide_that_calls_update_is_told_to_jit_it():
   assert {"migration", "batch_size", "checkpointing", "language_model", "token_weighting"} <= told
 
 
-@pytest.mark.slow  # each page in a fresh interpreter: the docs build's work, without Sphinx
+@pytest.mark.slow  # each page in a fresh process: the docs build's work, recorded for it
 @pytest.mark.parametrize("name", PAGES)
 def test_guide_runs_top_to_bottom_as_one_script_with_its_figures(name):
   outputs, source = _run_page(name)

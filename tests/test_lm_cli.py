@@ -63,6 +63,9 @@ def test_lm_cli_help_of_the_main_job_names_the_lm_task(capsys):
 def test_lm_run_config_mismatch_names_both_values_and_the_fix():
   saved = {"model": "quick", "k": 4, "batch_size": 8, "lr": 3e-3, "seed": 0, "processes": 1}
   assert run_config.mismatch(saved, dict(saved), "d") is None
+  for key in run_config.KEYS:  # any one setting alone refuses
+    said = run_config.mismatch({**saved, key: "saved"}, {**saved, key: "now"}, "d")
+    assert said and "saved" in said and "now" in said, key
   now = dict(saved, model="full", k=2, processes=2)
   said = run_config.mismatch(saved, now, "d")
   assert said.startswith(
@@ -82,21 +85,30 @@ def test_lm_cli_resume_under_another_configuration_refuses(tmp_path, capsys):
   first = capsys.readouterr().out
   assert "micro-step 2/4 window position 2/2" in first  # the closed window reads 2/2, not 0/2
   final = dict(np.load(tmp_path / "final_params_0.npz"))
+  # Each refusal sets up the run (model, train step, mesh) before it reads the checkpoints: one
+  # run differing in three settings (each refuses alone: `mismatch` checks every setting, see
+  # test_lm_run_config_mismatch_names_both_values_and_the_fix), one past the end.
+  full = ["lm", "--no-progress", "--checkpoint-dir", str(tmp_path), "--batch-size", "32"]
   cases = [
-    (["--k", "4", "--steps", "2"], "its checkpoints were written with --k 2, this run has --k 4"),
-    (["--k", "2", "--steps", "2", "--seed", "1"], "--seed 0, this run has --seed 1"),
-    (["--k", "2", "--steps", "1"], "latest checkpoint is at micro-step 4, past this run's last"),
+    (
+      [*full, "--k", "4", "--steps", "2", "--seed", "1"],
+      [
+        "its checkpoints were written with --quick, this run has no --quick (the full model)",
+        "; --k 2, this run has --k 4;",
+        "; --seed 0, this run has --seed 1",
+      ],
+    ),
+    (
+      [*base, "--k", "2", "--steps", "1"],
+      ["latest checkpoint is at micro-step 4, past this run's last"],
+    ),
   ]
-  for flags, match in cases:
+  for argv, said in cases:
     with pytest.raises(SystemExit) as e:
-      demo.main([*base, *flags])
+      demo.main(argv)
     assert e.value.code == 2
     out = capsys.readouterr()
-    assert match in out.err and "micro-step 1/" not in out.out, out
-  full = ["lm", "--no-progress", "--checkpoint-dir", str(tmp_path), "--batch-size", "32"]
-  with pytest.raises(SystemExit):
-    demo.main([*full, "--k", "2", "--steps", "2"])
-  assert "written with --quick, this run has no --quick (the full model)" in capsys.readouterr().err
+    assert all(s in out.err for s in said) and "micro-step 1/" not in out.out, out
   # Refusals restored nothing and wrote nothing: the saved run is intact.
   np.testing.assert_array_equal(
     np.load(tmp_path / "final_params_0.npz")["['head']['kernel']"], final["['head']['kernel']"]

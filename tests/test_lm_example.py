@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,19 +27,34 @@ SCRIPT = pathlib.Path(__file__).resolve().parent.parent / "examples" / "lm_resum
 TOTAL = 20  # the script's defaults: k = 5, 4 optimizer steps
 
 
-def _env() -> dict:
-  return dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict:
+  """The runs' environment, with one compilation cache for every run of this file: a restarted
+  process loads the programs the first run compiled (the same programs, so the same bits)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  return env
 
 
-def _run(directory, *flags: str) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def uninterrupted(env, tmp_path_factory) -> pathlib.Path:
+  """The script's whole run with its defaults, never interrupted: its checkpoint directory."""
+  directory = tmp_path_factory.mktemp("lm_example") / "uninterrupted"
+  done = _run(env, directory)
+  assert done.returncode == 0, done.stderr[-3000:]
+  return directory
+
+
+def _run(env, directory, *flags: str) -> subprocess.CompletedProcess:
   command = [sys.executable, str(SCRIPT), "--dir", str(directory), *flags]
-  return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+  return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
-def _killed_at(directory, line: str) -> None:
+def _killed_at(env, directory, line: str) -> None:
   """Starts the script and SIGKILLs it as soon as it prints `line`."""
   command = [sys.executable, str(SCRIPT), "--dir", str(directory)]
-  proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
   seen = []
   for out in proc.stdout:
     seen.append(out)
@@ -48,14 +64,13 @@ def _killed_at(directory, line: str) -> None:
   assert proc.wait(timeout=60) == -signal.SIGKILL, "".join(seen)
 
 
-@slow
-def _interrupted_at(directory, line: str) -> tuple[int, int, list[str]]:
+def _interrupted_at(env, directory, line: str) -> tuple[int, int, list[str]]:
   """Starts the script, sends it SIGINT (what Ctrl-C sends) as soon as it prints `line`, lets it
   stop by itself; returns the micro-step and window position it saved at, and the lines it
   printed after `line` (stdout and stderr)."""
   command = [sys.executable, str(SCRIPT), "--dir", str(directory)]
   proc = subprocess.Popen(
-    command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
   )
   seen = []
   for out in proc.stdout:
@@ -74,19 +89,17 @@ def _interrupted_at(directory, line: str) -> tuple[int, int, list[str]]:
   return int(saved[1]), int(saved[2]), after
 
 
-def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
-  want = _run(tmp_path / "uninterrupted")
-  assert want.returncode == 0, want.stderr[-3000:]
-
+@slow
+def test_lm_example_killed_mid_window_resumes_bit_for_bit(env, uninterrupted, tmp_path):
   ckpt = tmp_path / "killed"
   # Interrupted after micro-step 6 (position 1/5): it stops after that one or a next one, before
   # the window's end at 10 unless the machine stalls it for 3 micro-steps.
-  step, position, after = _interrupted_at(ckpt, "micro-step 6/")
+  step, position, after = _interrupted_at(env, ckpt, "micro-step 6/")
   assert 6 <= step < 10 and position == step % 5, after
   assert "interrupted: stopping after this micro-step" in after, after
   assert len(after) <= 2 + (step - 6) and not any("Traceback" in a for a in after), after
-  _killed_at(ckpt, "micro-step 13/")
-  resumed = _run(ckpt)
+  _killed_at(env, ckpt, "micro-step 13/")
+  resumed = _run(env, ckpt)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   step, position = map(int, re.search(r"resumed after micro-step (\d+): window position (\d+)/5",
                                       resumed.stdout).groups())  # fmt: skip
@@ -95,7 +108,7 @@ def test_lm_example_killed_mid_window_resumes_bit_for_bit(tmp_path):
   assert f"micro-step {step}/" not in resumed.stdout  # nothing trained twice
 
   got = np.load(ckpt / "final_params.npz")
-  ref = np.load(tmp_path / "uninterrupted" / "final_params.npz")
+  ref = np.load(uninterrupted / "final_params.npz")
   assert sorted(got.files) == sorted(ref.files) == ["down", "embed", "head", "pos", "up"]
   for name in ref.files:
     np.testing.assert_array_equal(got[name], ref[name], err_msg=name, strict=True)
@@ -139,17 +152,17 @@ def test_lm_example_bad_flags_are_argparse_errors(flag, value, needs, tmp_path, 
 
 
 @slow
-def test_lm_example_refuses_another_configuration(tmp_path):
-  first = _run(tmp_path, "--steps", "2")
-  assert first.returncode == 0, first.stderr[-3000:]
-  other = _run(tmp_path, "--steps", "2", "--k", "4", "--seed", "1")
+def test_lm_example_refuses_another_configuration(env, uninterrupted, tmp_path):
+  run = tmp_path / "run"
+  shutil.copytree(uninterrupted, run)  # a finished run: 4 steps of k = 5, seed 0
+  other = _run(env, run, "--k", "4", "--seed", "1")
   assert other.returncode == 1 and "micro-step" not in other.stdout
   assert (
     "refusing to resume: --k 5 in the checkpoints, 4 now; --seed 0 in the checkpoints, 1 now. "
     "Resume with --k 5 --seed 0, or give a new --dir." in other.stderr
   )
-  fewer = _run(tmp_path, "--steps", "1")
-  assert fewer.returncode == 1 and "at micro-step 10, past --steps 1 (5)" in fewer.stderr
-  more = _run(tmp_path, "--steps", "3")  # more steps extend the run
-  assert more.returncode == 0 and "resumed after micro-step 10: window position 0/5" in more.stdout
-  assert "micro-step 15/15" in more.stdout
+  fewer = _run(env, run, "--steps", "3")
+  assert fewer.returncode == 1 and "at micro-step 20, past --steps 3 (15)" in fewer.stderr
+  more = _run(env, run, "--steps", "5")  # more steps extend the run
+  assert more.returncode == 0 and "resumed after micro-step 20: window position 0/5" in more.stdout
+  assert "micro-step 25/25" in more.stdout

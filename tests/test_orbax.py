@@ -28,57 +28,62 @@ import optax_accum
 pytestmark = pytest.mark.slow  # subprocesses and checkpoints on disk: an integration test
 
 
-def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(tmp_path):
-  assert worker.SAVE_AT % worker.K != 0  # the checkpoint is taken inside a window
-  saved_params, saved_state = worker.save_mid_window(tmp_path / "ckpt")
-  assert int(saved_state.mini_step) == worker.SAVE_AT % worker.K
-  assert float(np.abs(saved_state.grad_sum["w0"]).max()) > 0  # the open window's sums
-
-  resumed = _resume_in_fresh_process(tmp_path)
-
-  # The fresh process saw the window exactly as it was left.
-  assert int(resumed.pop("restored_mini_step")) == worker.SAVE_AT % worker.K
-  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.grad_sum["w0"])
-
-  params, state = worker.uninterrupted()
-  assert int(resumed.pop("gradient_step")) == int(state.gradient_step) == worker.TOTAL // worker.K
-  assert ref.max_abs_diff(params, saved_params) > 0  # the second window did update
-  chex.assert_trees_all_equal(resumed, params, strict=True)
-
-
-def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_issue_22(tmp_path):
-  """The batch following the noise scale and the learning rate the AdaScale gain: a checkpoint
-  inside a window, resumed in a fresh process, finishes bit-identical to the uninterrupted run,
-  with the same progress τ and the same next window length."""
-  saved_params, saved_state = worker.save_mid_window(tmp_path / "ckpt", "gain")
-  assert int(saved_state.mini_step) > 0  # inside a window
-  assert int(saved_state.gradient_step) >= 2  # after updates whose gains entered τ
-  assert float(optax_accum.progress(saved_state)) > int(saved_state.gradient_step)  # some r > 1
-
-  resumed = _resume_in_fresh_process(tmp_path, "gain")
-  assert int(resumed.pop("restored_mini_step")) == int(saved_state.mini_step)
-  np.testing.assert_array_equal(resumed.pop("restored_acc_w"), saved_state.grad_sum["w0"])
-
-  params, state = worker.uninterrupted("gain")
-  assert int(resumed.pop("gradient_step")) == int(state.gradient_step)
-  assert int(resumed.pop("window_k")) == int(state.window_k)
-  np.testing.assert_array_equal(resumed.pop("progress"), np.asarray(optax_accum.progress(state)))
-  assert ref.max_abs_diff(params, saved_params) > 0
-  chex.assert_trees_all_equal(resumed, params, strict=True)
-
-
-def _resume_in_fresh_process(tmp_path, *variant: str) -> dict:
-  """Runs the worker's `resume` on ``tmp_path / "ckpt"`` in a new process; what it wrote."""
-  out = tmp_path / "resumed.npz"
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> dict:
+  """Per variant: the parameters and state saved mid-window here, and what a fresh process (one
+  for both variants: the restores are independent) wrote after restoring and finishing."""
+  root = tmp_path_factory.mktemp("orbax")
+  saved, jobs = {}, []
+  for variant in worker.VARIANTS:
+    saved[variant] = worker.save_mid_window(root / variant / "ckpt", variant)
+    jobs += [str(root / variant / "ckpt"), str(root / variant / "resumed.npz"), variant]
   proc = subprocess.run(
-    [sys.executable, worker.__file__, "resume", str(tmp_path / "ckpt"), str(out), *variant],
+    [sys.executable, worker.__file__, "resume", *jobs],
     capture_output=True,
     text=True,
     timeout=300,
     env=_env_importing_this_checkout(),
   )
   assert proc.returncode == 0, proc.stderr[-3000:]
-  return dict(np.load(out))
+  return {v: (*saved[v], dict(np.load(root / v / "resumed.npz"))) for v in worker.VARIANTS}
+
+
+def test_orbax_resume_mid_window_in_fresh_process_is_bit_identical(resumed):
+  assert worker.SAVE_AT % worker.K != 0  # the checkpoint is taken inside a window
+  saved_params, saved_state, got = resumed["adam"]
+  got = dict(got)  # popped below
+  assert int(saved_state.mini_step) == worker.SAVE_AT % worker.K
+  assert float(np.abs(saved_state.grad_sum["w0"]).max()) > 0  # the open window's sums
+
+  # The fresh process saw the window exactly as it was left.
+  assert int(got.pop("restored_mini_step")) == worker.SAVE_AT % worker.K
+  np.testing.assert_array_equal(got.pop("restored_acc_w"), saved_state.grad_sum["w0"])
+
+  params, state = worker.uninterrupted()
+  assert int(got.pop("gradient_step")) == int(state.gradient_step) == worker.TOTAL // worker.K
+  assert ref.max_abs_diff(params, saved_params) > 0  # the second window did update
+  chex.assert_trees_all_equal(got, params, strict=True)
+
+
+def test_orbax_resume_mid_window_with_gain_and_follow_noise_scale_regression_issue_22(resumed):
+  """The batch following the noise scale and the learning rate the AdaScale gain: a checkpoint
+  inside a window, resumed in a fresh process, finishes bit-identical to the uninterrupted run,
+  with the same progress τ and the same next window length."""
+  saved_params, saved_state, got = resumed["gain"]
+  got = dict(got)  # popped below
+  assert int(saved_state.mini_step) > 0  # inside a window
+  assert int(saved_state.gradient_step) >= 2  # after updates whose gains entered τ
+  assert float(optax_accum.progress(saved_state)) > int(saved_state.gradient_step)  # some r > 1
+
+  assert int(got.pop("restored_mini_step")) == int(saved_state.mini_step)
+  np.testing.assert_array_equal(got.pop("restored_acc_w"), saved_state.grad_sum["w0"])
+
+  params, state = worker.uninterrupted("gain")
+  assert int(got.pop("gradient_step")) == int(state.gradient_step)
+  assert int(got.pop("window_k")) == int(state.window_k)
+  np.testing.assert_array_equal(got.pop("progress"), np.asarray(optax_accum.progress(state)))
+  assert ref.max_abs_diff(params, saved_params) > 0
+  chex.assert_trees_all_equal(got, params, strict=True)
 
 
 def _env_importing_this_checkout() -> dict:

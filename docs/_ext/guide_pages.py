@@ -10,20 +10,30 @@
 * The role ``{output}`` marks a figure that a sentence quotes from the page's executed output,
   e.g. ``the loss reaches {output}`1.816```. It renders as the plain text; the test checks that
   each such figure appears in the output of the cells above the sentence.
+* The test runs each page and records it here (`record_executed`) in the build's cache of
+  executed pages (`EXECUTED`, myst-nb's ``nb_execution_cache_path``): a build that keeps the
+  cache (``.ci/docs --executed-by-tests``) renders those runs and runs only pages not in it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import pathlib
 import re
 from typing import Any
 
+import nbformat
 from docutils import nodes
+from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
 from sphinx.application import Sphinx
 
 CODE_CELL = re.compile(r"^```\{code-cell\}", re.M)
 # A call of an optimizer's `update` in a code cell: `tx.update(`, `update(` of a jitted one.
 UPDATE_CALL = re.compile(r"(?<![\w.])(?:\w+\.)?update\(|\w+_update\(")
 TITLE = re.compile(r"^# .*$", re.M)
+# The docs build's cache of executed pages (jupyter-cache, keyed by a page's code cells).
+EXECUTED = pathlib.Path(__file__).resolve().parent.parent / "_build" / ".jupyter_cache"
 
 ONE_SCRIPT = (
   "The code on this page is one script: its cells run top to bottom in one Python process, "
@@ -70,6 +80,18 @@ def insert_note(app: Sphinx, docname: str, source: list[str]) -> None:
 def output_role(name, rawtext, text, lineno, inliner, options=None, content=None):
   """``{output}`figure```: a figure quoted from the page's executed output, as plain text."""
   return [nodes.Text(text)], []
+
+
+def record_executed(notebook: nbformat.NotebookNode, path: str) -> None:
+  """Adds a page's executed notebook to `EXECUTED`, as the build itself would after running it.
+
+  Test processes run pages side by side (pytest-xdist): one writes the cache at a time.
+  """
+  EXECUTED.mkdir(parents=True, exist_ok=True)
+  with open(EXECUTED.parent / ".jupyter_cache.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    bundle = CacheBundleIn(notebook, path, data={"executed_by": "tests/test_guides_run.py"})
+    get_cache(str(EXECUTED)).cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
 
 
 def setup(app: Sphinx) -> dict[str, Any]:
