@@ -25,9 +25,9 @@ one-call-per-micro-step path pays per call.
     python benchmarks/small_models.py --rounds 7   # the committed run
     python benchmarks/small_models.py --rounds 3 --models notebook_mlp nnx_cnn
 
-About 9 CPU-minutes, most of them compiling (some 75 programs) and the NNX CNN's rolled loops
-(5 s a step on CPU); the committed run took 20 minutes on 2 cores shared at a load average
-of 10 to 13.
+About 4 CPU-minutes, most of them compiling (some 75 programs) and the NNX CNN's rolled loops
+(0.8 s a step on CPU); the committed run took 160 s on an idle 2-core machine (20 minutes at a
+load average of 10 to 13).
 """
 
 from __future__ import annotations
