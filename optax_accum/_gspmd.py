@@ -62,6 +62,14 @@ OUTPUT_VARIES = (
   "`jax.lax.pmean(x, {axis!r})`, or `microbatch(..., axis_name={axis!r})` with reduction "
   "'mean'/'sum'), or pass varying='concat' to join the devices' values along its leading axis."
 )
+# TrainStep returns the loss's float values averaged over the devices (summed with
+# reduction="sum"); anything else its loss returns must be made global inside the loss.
+TRAIN_STEP_VARIES = (
+  "{caller}: output{path} differs per device over axis_name={axis!r} ({type}), so it has "
+  "no single value to return. TrainStep averages the float values the loss returns over the "
+  "devices (sums them with reduction='sum'); reduce this one inside the loss, where the axis "
+  "is bound (e.g. `jax.lax.psum(x, {axis!r})` for a count), or return it as a float."
+)
 
 MANUAL_SPEC = (
   "{caller}: a sharding written inside the function names the data axis {axis!r}, which is "
@@ -282,10 +290,9 @@ def _out_spec(path: Any, t: Any, ctx: Binding) -> P:
         f"Reduce it inside the function (e.g. `jax.lax.pmean(x, {entry!r})`)."
       )
     return P(entry)
+  said = TRAIN_STEP_VARIES if ctx.caller == "TrainStep" else OUTPUT_VARIES
   raise ValueError(
-    OUTPUT_VARIES.format(
-      caller=ctx.caller, path=where, axis=entry, type=f"{t.dtype}{list(t.shape)}"
-    )
+    said.format(caller=ctx.caller, path=where, axis=entry, type=f"{t.dtype}{list(t.shape)}")
   )
 
 

@@ -808,3 +808,23 @@ def test_train_step_loss_over_the_devices_follows_the_reduction():
         want = loss(jax.device_get(p), batch)
         value = step(p, state, batch)[2]
         np.testing.assert_allclose(float(value), float(want), rtol=2e-6, err_msg=reduction)
+
+
+def test_train_step_integer_aux_over_the_devices_is_refused_with_the_fix():
+  """An integer aux (a count) differs per device and TrainStep averages only float values: the
+  error says to reduce it inside the loss, where the axis is bound; doing so returns the count
+  of the whole micro-batch."""
+  params = ref.mlp_params(0, SIZES)
+  batch = ref.regression_data(4, D * ROWS, d_in=SIZES[0], d_out=SIZES[-1])
+  count = lambda b: jnp.sum(b["x"][:, 0] > 0).astype(jnp.int32)  # noqa: E731
+  local = lambda p, b: (ref.mlp_loss(p, b), count(b))  # noqa: E731
+  reduced = lambda p, b: (ref.mlp_loss(p, b), lax.psum(count(b), AX))  # noqa: E731
+  with jax.set_mesh(_mesh(AxisType.Auto)):
+    step = optax_accum.TrainStep(local, ref.SGD, 2, axis_name=AX, has_aux=True)
+    p = jax.tree.map(jnp.asarray, params)
+    said = r"TrainStep: output\[2\]\[1\] differs per device.*jax\.lax\.psum\(x, 'data'\)"
+    with pytest.raises(ValueError, match=said):
+      step(p, step.init(p), batch)
+    step = optax_accum.TrainStep(reduced, ref.SGD, 2, axis_name=AX, has_aux=True)
+    _, _, (_, n) = step(p, step.init(p), batch)
+    assert int(n) == int(np.sum(batch["x"][:, 0] > 0))
