@@ -231,6 +231,48 @@ def render(out: Path) -> None:
   print(f"rewrote {', '.join(files)} in {out}")
 
 
+def write_compile(res: dict, out: Path) -> list[str]:
+  """compile.md from the `compile` section, if the run has one."""
+  if not res.get("compile"):
+    return []
+  (out / "compile.md").write_text(
+    "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
+    f"{_compile.__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"
+    f"{_compile.markdown(res['compile'])}\n\n"
+    f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (concurrent "
+    "compilation needs a free core).\n"
+  )
+  return ["compile.md"]
+
+
+def combine(parts: list[Path], out: Path) -> None:
+  """One report from the `--part` files of one run (benchmarks/gpu.sh runs each section as a
+  process of its own, each under its own time limit). A part that is missing or was stopped
+  before it finished is named in the report's command line, never silently dropped."""
+  found = [json.loads(p.read_text()) for p in parts if p.exists()]
+  if not found:
+    raise SystemExit(f"--combine: none of {[str(p) for p in parts]} exists")
+  res: dict = {"meta": dict(found[0]["meta"], models={})}
+  notes = [f"{p.stem}: missing" for p in parts if not p.exists()]
+  for part, p in zip(found, [p for p in parts if p.exists()], strict=True):
+    res["meta"]["models"].update(part["meta"].get("models", {}))
+    if "within_model" in part["meta"]:
+      res["meta"]["within_model"] = part["meta"]["within_model"]
+    if not part["meta"].get("complete", True):
+      notes.append(f"{p.stem}: stopped at its time limit after {part['meta']['seconds']:.0f} s")
+    for key, value in part.items():  # sections are lists of rows; within_compile is a dict
+      if key != "meta":
+        res[key] = res.get(key, []) + value if isinstance(value, list) else value
+  res["meta"]["seconds"] = sum(p["meta"]["seconds"] for p in found)
+  res["meta"]["command"] = "; ".join(p["meta"]["command"] for p in found)
+  res["meta"]["complete"] = not notes
+  if notes:
+    res["meta"]["command"] += f" ({'; '.join(notes)})"
+  out.mkdir(parents=True, exist_ok=True)
+  files = _report.write(res, out) + write_compile(res, out)
+  print(f"combined {len(found)} of {len(parts)} parts: wrote {', '.join(files)} to {out}")
+
+
 def rounds_total(only: list[str], cfg: dict, n_models: int) -> int:
   """Rounds the progress bar counts for the sections in `only`."""
   total = 0
@@ -247,8 +289,9 @@ def rounds_total(only: list[str], cfg: dict, n_models: int) -> int:
   return total
 
 
-def run_cross_models(only: list[str], cfg: dict, models: list, res: dict, bar) -> None:
-  """The sections on the cross-step models (`cross`, `noise`), into `res`."""
+def run_cross_models(only: list[str], cfg: dict, models: list, res: dict, bar, save) -> None:
+  """The sections on the cross-step models (`cross`, `noise`), into `res`; `save()` after each
+  model, so that a part stopped at its time limit keeps the models it finished."""
   if not {"cross", "noise"} & set(only):
     return
   for model, micro in models:
@@ -262,10 +305,12 @@ def run_cross_models(only: list[str], cfg: dict, models: list, res: dict, bar) -
     for model, micro in models:
       mcfg = dict(cfg, micro=micro)
       res["cross"] += _cross.run(model, mcfg, cfg["ks"], progress=bar, log=bar.write)
+      save()
   if "noise" in only:
     res["noise"] = []
     for model, micro in models:
       res["noise"] += _noise.run(model, dict(cfg, micro=micro), progress=bar, log=bar.write)
+      save()
 
 
 def run_meta(backend: str, device_kind: str, scale: str, cfg: dict) -> dict:
@@ -304,9 +349,25 @@ def main(argv=None):
     default=None,
     help="measure nothing: rewrite DIR/results.md and the plots from DIR/results.json",
   )
+  ap.add_argument(
+    "--part",
+    metavar="FILE",
+    default=None,
+    help="write this run's raw results to FILE (after each model and section, so a run stopped"
+    " at a time limit keeps what it finished) and no report; --combine joins the parts",
+  )
+  ap.add_argument(
+    "--combine",
+    metavar="FILE",
+    nargs="+",
+    default=None,
+    help="measure nothing: join the --part FILEs of one run into the report in --out",
+  )
   args = ap.parse_args(argv)
   if args.render:
     return render(Path(args.render))
+  if args.combine:
+    return combine([Path(f) for f in args.combine], Path(args.out or "."))
   scale = "quick" if args.quick else (args.scale or "cpu")
   cfg = SCALES[scale]
   only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -344,7 +405,15 @@ def main(argv=None):
   res: dict = {"meta": run_meta(backend, device_kind, scale, cfg)}
   if set(only) != set(SECTIONS):  # the command that reproduces this run
     res["meta"]["command"] += f" --only {','.join(only)}"
-  run_cross_models(only, cfg, models, res, bar)
+  part = Path(args.part) if args.part else None
+
+  def save(complete: bool = False) -> None:
+    if part is not None:
+      res["meta"].update(seconds=time.perf_counter() - t0, complete=complete)
+      part.parent.mkdir(parents=True, exist_ok=True)
+      part.write_text(json.dumps(res, indent=1, default=str))
+
+  run_cross_models(only, cfg, models, res, bar, save)
   if "within" in only:
     model = _models.mlp(tuple(cfg["within_mlp"]), name="activation-heavy mlp")
     res["meta"]["within_model"] = {
@@ -357,10 +426,13 @@ def main(argv=None):
     res["within_compile"] = _within.compile_times(
       model, wcfg, repeats=cfg.get("within_compile_repeats", 3), log=log
     )
+    save()
   if "precision" in only:
     res["precision"] = _precision.run(cfg, progress=bar, log=log)
+    save()
   if "distributed" in only:
     res["distributed"] = run_distributed(cfg, log)
+    save()
   if "compile" in only:
     res["compile"] = [
       _compile.run(model, dict(cfg, micro=micro), cfg["compile_k"], cfg["compile_rounds"], log)
@@ -368,17 +440,13 @@ def main(argv=None):
     ]
   bar.close()
   res["meta"]["seconds"] = time.perf_counter() - t0
+  if part is not None:
+    save(complete=True)
+    print(f"wrote the part {part}")
+    return
   # A compile-only run writes compile.md alone: results.md and results.json stay the full run's.
   files = [] if set(only) <= {"compile"} else _report.write(res, out)
-  if res.get("compile"):
-    (out / "compile.md").write_text(
-      "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
-      f"{_compile.__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"
-      f"{_compile.markdown(res['compile'])}\n\n"
-      f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (concurrent "
-      "compilation needs a free core).\n"
-    )
-    files.append("compile.md")
+  files += write_compile(res, out)
   print()
   print(
     _report.markdown(

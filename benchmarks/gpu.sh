@@ -1,71 +1,134 @@
 #!/usr/bin/env bash
-# One GPU, at most 8 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
-# TrainStep, both emission modes), the within-step section, the noise-scale cost, TrainStep's
+# One GPU, about 9 minutes: the cross-step section (Adam, MultiSteps, the optax protocol,
+# TrainStep, both emission modes), the noise-scale cost, the within-step section, TrainStep's
 # compile time, issue 33's modes (benchmarks/accel.py: TrainStep per micro-step with each
 # accumulator, the protocol path's device conditional against static emit= and TrainStep,
-# whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO, the
-# price of the reduction overlapped with the last backward pass — compile seconds and time per
-# micro-step against the closing program, on the GPUs when several are lent, else on 8 host CPU
-# devices — and the byte LM's final loss with each accumulator), then the language model's
-# tokens/s at a size that keeps the GPU busy. Writes benchmarks/results/gpu/ (bench tables and
-# plots, compile.md, accel.md, lm/).
+# whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO; the
+# price of the reduction overlapped with the last backward pass where several GPUs are lent),
+# then the byte LM's tokens/s at a size that keeps the GPU busy. Writes benchmarks/results/gpu/
+# (bench tables and plots, compile.md, accel.md, lm/).
 #
-#   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
-#   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
-#                                      # (216 s on a shared 2-core CPU, load 6.3 at the
-#                                      # start, 2026-12-02: accel.py's phase, 199 s, is the
-#                                      # longest of the three, which run side by side)
+#   bash benchmarks/gpu.sh                     # on the GPU machine, from a clone with .[dev]
+#                                              # installed (or PYTHONPATH=. and the image's jax)
+#   bash benchmarks/gpu.sh --only cross        # some phases: cross noise within compile accel lm
+#   bash benchmarks/gpu.sh --dry-run           # anywhere (CPU): tiny sizes, into
+#                                              # benchmarks/results/tmp/gpu-dry-run/
 #
-# The dry run checks that every section and path runs and writes its files, nothing more: its
-# cost is compiling ~100 small XLA programs, so its sizes are the smallest that run every path
-# (bench.py's gpu_dry_run, the LM's --size dry), its two phases run side by side, and XLA
-# compiles without LLVM's optimizations.
-set -euo pipefail
+# Each phase is a process of its own under its own time limit (the limits add up to the device
+# time a session is lent), and a phase that fails or runs out of time does not stop the others:
+# its name and exit status are printed and recorded in phases.txt, and bench.py's parts (written
+# after each model and section) are joined into one report that names any part missing or cut
+# short. The exit status is non-zero if any phase failed.
+#
+# The dry run checks that every phase and path runs and writes its files, nothing more: its cost
+# is compiling ~100 small XLA programs, so its sizes are the smallest that run every path
+# (bench.py's gpu_dry_run, the LM's --size dry), its three chains of phases run side by side, and
+# XLA compiles without LLVM's optimizations (216 s on a shared 2-core CPU at load 6.3, 2026-12-02).
+set -uo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
 scale=gpu_short
 out=benchmarks/results/gpu
 lm=(--size gpu)
-limit=(timeout 280)  # each phase has its own limit: the whole stays within 8 minutes
-accel_limit=(timeout 80)  # (280 + 80 + 120 s; not yet run on a GPU: the limits are estimates)
 accel=()
-lm_limit=(timeout 120)
-if [[ "${1:-}" == "--dry-run" ]]; then
+accel_only=microstep,fusion,lm
+dry=0
+only=cross,noise,within,compile,accel,lm
+# Seconds per phase on the GPU (cross includes the emission figures; not yet measured on a GPU:
+# estimates from the CPU runs, scaled).
+declare -A limit=([cross]=200 [noise]=60 [within]=80 [compile]=60 [accel]=80 [lm]=80)
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) dry=1 ;;
+    --only)
+      only="${2:?--only needs a comma-separated list of phases}"
+      shift
+      ;;
+    *)
+      echo "usage: bash benchmarks/gpu.sh [--dry-run] [--only cross,noise,within,compile,accel,lm]" >&2
+      exit 2
+      ;;
+  esac
+  shift
+done
+for p in ${only//,/ }; do
+  if [[ -z "${limit[$p]:-}" ]]; then
+    echo "gpu.sh: --only: unknown phase '$p' (phases: ${!limit[*]})" >&2
+    exit 2
+  fi
+done
+if ((dry)); then
   scale=gpu_dry_run
   out=benchmarks/results/tmp/gpu-dry-run
   lm=(--size dry)
-  limit=()  # a shared CPU is slower than the GPU budget assumes
-  accel_limit=()
   accel=(--quick)
+  accel_only=microstep,fusion,overlap,lm  # one process: the overlap rows on 8 host CPU devices
   # Nothing is measured: XLA's CPU backend compiles without LLVM's optimizations (half the time).
   export XLA_FLAGS="${XLA_FLAGS:-} --xla_backend_optimization_level=0"
   XLA_FLAGS+=" --xla_llvm_disable_expensive_passes=true"
-  lm_limit=()
-elif [[ -n "${1:-}" ]]; then
-  echo "usage: bash benchmarks/gpu.sh [--dry-run]" >&2
-  exit 2
 fi
-python -c "import jax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind)"
-bench=("${limit[@]}" python benchmarks/bench.py --scale "$scale"
-  --only cross,emission,noise,within,compile --out "$out")
-accel_run=("${accel_limit[@]}" python benchmarks/accel.py "${accel[@]}"
-  --only microstep,fusion,overlap,lm --out "$out")
-lm_run=("${lm_limit[@]}" python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm")
-if [[ "$scale" == gpu_dry_run ]]; then
-  # The three phases at once: each is mostly single-threaded XLA compilation.
-  "${bench[@]}" &
-  bench_pid=$!
-  "${accel_run[@]}" &
-  accel_pid=$!
-  if ! "${lm_run[@]}"; then
-    kill "$bench_pid" "$accel_pid" 2>/dev/null || true
-    exit 1
+mkdir -p "$out/parts"
+: >"$out/phases.txt"
+python -c "import jax, optax; print('gpu.sh:', jax.default_backend(), jax.devices()[0].device_kind,
+  'x', jax.device_count(), '· jax', jax.__version__, '· optax', optax.__version__)" || exit 1
+if ! ((dry)) && python -c "import jax; raise SystemExit(jax.device_count() < 2)"; then
+  accel_only+=,overlap  # the overlapped reduction needs several devices of this backend
+fi
+
+phase() {  # phase NAME COMMAND...: run it under NAME's limit (none in the dry run), record it
+  local name=$1 t=$SECONDS rc=0
+  shift
+  [[ ",$only," == *",$name,"* ]] || return 0
+  echo "gpu.sh: phase $name (limit ${limit[$name]} s)"
+  if ((dry)); then
+    "$@" || rc=$?
+  else
+    timeout --kill-after=10 "${limit[$name]}" "$@" || rc=$?
   fi
-  wait "$bench_pid"
-  wait "$accel_pid"
+  local what="done"
+  ((rc == 124 || rc == 137)) && what="stopped at its limit"
+  ((rc != 0 && rc != 124 && rc != 137)) && what="FAILED"
+  echo "gpu.sh: phase $name $what (rc $rc) in $((SECONDS - t)) s" | tee -a "$out/phases.txt"
+}
+bench_phase() {  # bench_phase NAME SECTIONS: one bench.py part
+  phase "$1" python benchmarks/bench.py --scale "$scale" --only "$2" --part "$out/parts/$1.json"
+}
+bench_chain() {
+  bench_phase cross cross,emission
+  bench_phase noise noise
+  bench_phase within within
+  bench_phase compile compile
+}
+accel_phase() {
+  phase accel python benchmarks/accel.py "${accel[@]}" --only "$accel_only" --out "$out"
+}
+lm_phase() {
+  phase lm python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm"
+}
+if ((dry)); then
+  # The three chains at once: each is mostly single-threaded XLA compilation.
+  bench_chain &
+  bench_pid=$!
+  accel_phase &
+  accel_pid=$!
+  lm_phase
+  wait "$bench_pid" "$accel_pid"
 else
-  "${bench[@]}"
-  "${accel_run[@]}"
-  "${lm_run[@]}"
+  bench_chain  # one at a time: the GPU is timed
+  accel_phase
+  lm_phase
+fi
+parts=()
+for p in cross noise within compile; do
+  [[ -e "$out/parts/$p.json" || ",$only," == *",$p,"* ]] && parts+=("$out/parts/$p.json")
+done
+if ((${#parts[@]})); then
+  python benchmarks/bench.py --combine "${parts[@]}" --out "$out" ||
+    echo "gpu.sh: phase combine FAILED" | tee -a "$out/phases.txt"
 fi
 echo "gpu.sh: done in $((SECONDS - start)) s -> $out"
+if grep -qv " done " "$out/phases.txt"; then
+  echo "gpu.sh: not every phase finished:" >&2
+  grep -v " done " "$out/phases.txt" >&2
+  exit 1
+fi
