@@ -218,6 +218,16 @@ def reference(model, params, micro: list, windows: int):
   return p
 
 
+def mean_tolerance() -> float:
+  """The mean |Δparameter| allowed against the large batch: 1e-3·lr where float32 matrix
+  products are exact to float32 (CPU), 5e-2·lr on GPU/TPU, whose default float32 matmul
+  precision rounds the inputs (TF32 on NVIDIA, bf16 passes on TPU): a gradient component near 0
+  then changes sign between the large batch and its micro-batches on ~1 % of coordinates (mean
+  1e-5 = 1e-2·lr measured on an H200, 784-2048³-10 MLP, k = 4), while a missed or doubled
+  micro-batch still moves most parameters by ~lr."""
+  return 1e-3 * LR if jax.default_backend() == "cpu" else 5e-2 * LR
+
+
 def check_agreement(model, params, cs: list[Contender], micro: list, windows: int):
   """Asserts every equivalent contender lands where Adam on the large batch does.
 
@@ -228,6 +238,7 @@ def check_agreement(model, params, cs: list[Contender], micro: list, windows: in
   by ~lr and fails both.
   """
   ref = reference(model, params, micro, windows)
+  mean_tol = mean_tolerance()
   ref_leaves = [np.asarray(x) for x in jax.tree.leaves(ref)]
   report = {}
   for c in cs:
@@ -239,7 +250,7 @@ def check_agreement(model, params, cs: list[Contender], micro: list, windows: in
     worst, mean = float(diffs.max()), float(diffs.mean())
     report[c.name] = {"max_abs": worst, "mean_abs": mean, "checked": c.equivalent}
     if c.equivalent:
-      assert worst <= 2 * LR * windows and mean <= 1e-3 * LR, (
+      assert worst <= 2 * LR * windows and mean <= mean_tol, (
         f"{c.name} disagrees with Adam on the large batch: max |Δ| {worst:.3g}, "
         f"mean |Δ| {mean:.3g} (lr {LR})"
       )

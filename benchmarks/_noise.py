@@ -97,14 +97,15 @@ def check_pair(without: X.Contender, with_: X.Contender, updates: int) -> dict[s
   with ``noise_scale=True`` measured a window; returns the differences and its estimates.
 
   Tolerance as `_cross.check_agreement` (a float32 summation order can flip the sign of a
-  near-zero Adam step: up to 2·lr per update; the mean difference must stay below 1e-3·lr):
+  near-zero Adam step: up to 2·lr per update; the mean difference must stay below
+  `_cross.mean_tolerance()`):
   statistics that leaked into the update would move most parameters by ~lr."""
   assert without.i == with_.i, f"{without.name} took {without.i} steps, {with_.name} {with_.i}"
   a = [np.asarray(x) for x in jax.tree.leaves(without.params)]
   b = [np.asarray(x) for x in jax.tree.leaves(with_.params)]
   diffs = np.concatenate([np.abs(x - y).ravel() for x, y in zip(a, b, strict=True)])
   worst, mean = float(diffs.max()), float(diffs.mean())
-  assert worst <= 2 * X.LR * updates and mean <= 1e-3 * X.LR, (
+  assert worst <= 2 * X.LR * updates and mean <= X.mean_tolerance(), (
     f"{with_.name} disagrees with {without.name} after {with_.i} micro-steps: "
     f"max |Δ| {worst:.3g}, mean |Δ| {mean:.3g} (lr {X.LR})"
   )

@@ -128,6 +128,13 @@ class PythonLoop:
     return self.finish(acc)
 
 
+def rel_tol() -> float:
+  """Relative agreement with the large batch: 1e-4 on CPU; 2e-3 on GPU/TPU, whose default
+  float32 matmul precision rounds the inputs to TF32 (NVIDIA; 2^-11 relative) or bf16 passes
+  (TPU), so that another grouping of the batch rounds differently beyond float32's 1e-6."""
+  return 1e-4 if jax.default_backend() == "cpu" else 2e-3
+
+
 def run(model, cfg: dict, progress=None, log=print) -> list[dict[str, Any]]:
   params = model.init(jax.random.key(0))
   batch_size = cfg["global_batch"]
@@ -144,13 +151,13 @@ def run(model, cfg: dict, progress=None, log=print) -> list[dict[str, Any]]:
       "python loop of jitted micro-steps": PythonLoop(model.loss, params, batch, k),
     }
     # Every contender must return the large batch's loss and gradient (float32; sums in
-    # another order, so agreement to ~1e-6 relative is expected; 1e-4 leaves margin).
+    # another order, so agreement to ~1e-6 relative is expected; `rel_tol()` leaves margin).
     agreement = {}
     for name, p in progs.items():
       out = H.block(p(params, batch))
       _, rel = H.max_diff(out, ref)
       agreement[name] = rel
-      assert rel <= 1e-4, f"within k={k}: {name} differs from the large batch by {rel:.3g} (rel)"
+      assert rel <= rel_tol(), f"within k={k}: {name} differs from the large batch: {rel:.3g} rel"
     contenders = {"large batch": lambda: large(params, batch)}
     contenders.update({n: (lambda p=p: p(params, batch)) for n, p in progs.items()})
     timings = H.run_side_by_side(
@@ -245,7 +252,7 @@ def run_padded(model, cfg: dict, progress=None, log=print) -> list[dict[str, Any
     for name, p in progs.items():
       # The mean over real micro-batches; optax's running mean rounds differently: ~1e-6 rel.
       _, agreement[name] = H.max_diff(H.block(p(params, batch, jnp.int32(n))), ref)
-      assert agreement[name] <= 1e-4, f"padded n={n}/{k}: {name} off by {agreement[name]:.3g}"
+      assert agreement[name] <= rel_tol(), f"padded n={n}/{k}: {name} off by {agreement[name]:.3g}"
     timings = _time_padded(progs, large, params, batch, real, n, k, cfg["within_rounds"], progress)
     for name in (LARGE, OURS, OPTAX):
       row = _padded_row(model, k, n, b, name, timings, large if name == LARGE else progs[name])
