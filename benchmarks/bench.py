@@ -235,11 +235,13 @@ def write_compile(res: dict, out: Path) -> list[str]:
   """compile.md from the `compile` section, if the run has one."""
   if not res.get("compile"):
     return []
+  load = res["meta"].get("load_end")
+  load = "not recorded" if load is None else f"{load:.1f}"
   (out / "compile.md").write_text(
     "# Compile time: TrainStep's two programs / the protocol path's one\n\n"
     f"{_compile.__doc__.split(chr(10) + chr(10), 1)[1].strip()}\n\n"
     f"{_compile.markdown(res['compile'])}\n\n"
-    f"Load average at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (concurrent "
+    f"Load average at the end: {load} on {res['meta']['cpu_count']} CPUs (concurrent "
     "compilation needs a free core).\n"
   )
   return ["compile.md"]
@@ -440,6 +442,7 @@ def main(argv=None):
     ]
   bar.close()
   res["meta"]["seconds"] = time.perf_counter() - t0
+  res["meta"]["load_end"] = os.getloadavg()[0]
   if part is not None:
     save(complete=True)
     print(f"wrote the part {part}")
