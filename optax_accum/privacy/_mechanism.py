@@ -100,7 +100,7 @@ class Mechanism:
   >>> def loss(params, x, y):
   ...   return jnp.mean((x @ params - y) ** 2)
   >>> sampler = privacy.PoissonSampler(1000, 0.064, 16, seed=0)
-  >>> mech = privacy.Mechanism(loss, 1.0, sampler=sampler, key=jax.random.key(0),
+  >>> mech = privacy.Mechanism(loss, 1.0, sampler=sampler, key=jax.random.key(271_828),
   ...                          noise_multiplier=1.1, batch_argnums=(1, 2))
   >>> step = mech.train_step(optax.sgd(0.1), every_k=8)
   >>> mech.expected_batch_size, mech.mask_argnum
