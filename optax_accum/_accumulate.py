@@ -298,6 +298,8 @@ def check_private(cfg: Config, caller: str, params: Any = None, inner_state: Any
   narrow = [d for d in dtypes if _checks.narrow_float(d)]
   if narrow:
     _checks.refuse_private("accum_dtype", caller, dtype=jnp.dtype(narrow[0]).name)
+  if inner_state is not None:  # dp_noise first in the inner chain (the privacy package's check)
+    _checks.private_check("inner", caller, inner_state)
 
 
 def is_private(state: AccumulateState) -> bool:
@@ -448,6 +450,8 @@ def check_update(
   _check_dtypes(cfg, grads, state.grad_sum if holds_sums(state) else None, params)
   if weight is not None and is_private(state):
     _checks.refuse_private("weight", caller)
+  if is_private(state):  # clipped sums at least float32 until the noise
+    _checks.private_check("grads", caller, grads)
   weight = _checks.weight(weight, caller)
   _checks.flag(force_emit, "force_emit", caller)
   if emit is not None and not isinstance(emit, bool):

@@ -290,6 +290,20 @@ def refuse_private(key: str, caller: str, **fields: Any) -> None:
   raise ValueError(PRIVATE_REFUSED[key].format(caller=caller, **fields))
 
 
+# The privacy package's own checks of a private path, by name: `optax_accum.privacy._guard`
+# installs them when it is imported (every private path has imported it: its objects come from
+# there), so the front ends call them with one line each and the core imports nothing from it.
+PRIVATE_CHECKS: dict[str, Callable[..., None]] = {}
+
+
+def private_check(name: str, *args: Any, **kwargs: Any) -> None:
+  """Runs the privacy package's check `name` (`PRIVATE_CHECKS`): it raises the contract's
+  error for a refused pipeline, and returns None for any other."""
+  check = PRIVATE_CHECKS.get(name)
+  if check is not None:
+    check(*args, **kwargs)
+
+
 def _declares_private(x: Any) -> bool:
   if getattr(x, "__dp_private__", False) is True:
     return True

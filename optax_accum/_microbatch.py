@@ -402,10 +402,13 @@ def microbatch(
   """
   pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, rng_argnums, state_argnums)
   _check_callables(fun, weight_fn, state_out, pos.states)
-  if _checks.private_fun(fun):
+  private = _checks.private_fun(fun)
+  if private:
     reduction, skip_nonfinite = _private_options(
       fun, reduction, weight_fn, noise_scale, pos.states, accum_dtype
     )
+    if num_real_microbatches is not None:  # padded batches: the mask must be used
+      _checks.private_check("padding", "microbatch", fun, "num_real_microbatches")
   elif reduction is None:
     reduction = DEFAULT_MEAN
   if split not in SPLITS:
@@ -432,6 +435,8 @@ def microbatch(
 
   @_checks.wraps(fun)
   def wrapped(*args, **kwargs):
+    if private:  # every argument with the batch's size split (the privacy package's check)
+      _checks.private_check("microbatch_args", fun, pos, args)
     # NNX objects among the arguments: split, their state threaded, merged back (`_nnx`).
     return _nnx.call(_call, opts, args, kwargs)
 

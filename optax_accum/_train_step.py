@@ -341,6 +341,7 @@ class TrainStep:
     # A clipped loss (privacy.clipped_loss) is a private path: its options are checked against
     # the privacy contract now; a dp_noise in `inner` is found by `init`.
     self._private = _checks.private_fun(loss_fn)
+    self._loss_fn = loss_fn
     if self._private:
       _accumulate.check_private(self._cfg, "TrainStep")
     # clipped_loss(..., has_aux=True): its aux holds one row per example (joined over the axis).
@@ -452,9 +453,11 @@ class TrainStep:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
+    arrays = _batch.none_for_static(_batch.hide_static(params))
     if self._private:  # a clipped loss: the accumulator made for these parameters (≥ float32)
-      arrays = _batch.none_for_static(_batch.hide_static(params))
       _accumulate.check_private(self._cfg, "TrainStep.init", arrays)
+    # Both halves of the mechanism or neither (the privacy package's check).
+    _checks.private_check("train_step", "TrainStep.init", self._private, self._cfg, arrays)
     if not self._cfg.axis.stacks:
       self._pin(params)
       specs = self._mesh_state_shardings(params)
@@ -686,6 +689,8 @@ class TrainStep:
       raise TypeError("TrainStep: pass weight= or give weight_fn, not both.")
     if weight is not None and (self._private or _checks.holds_private_state(state)):
       _checks.refuse_private("weight", "TrainStep")
+    if force_emit and self._private:  # windows of a padded sampler: the mask must be used
+      _checks.private_check("padding", "TrainStep", self._loss_fn, "force_emit=True")
     if isinstance(weight, int | float | np.number | np.ndarray):
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).

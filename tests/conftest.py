@@ -7,6 +7,8 @@ and this file sets it too so that `pytest tests/test_x.py` alone behaves the sam
 import gc
 import os
 
+import pytest
+
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 if "--xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
   os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
@@ -26,3 +28,14 @@ def pytest_sessionfinish(session):
   """
   gc.collect()
   gc.freeze()
+
+
+@pytest.fixture(autouse=True)
+def _each_test_is_its_own_run():
+  """`privacy.dp_noise` remembers every key drawn from in the process and refuses a second run
+  on it (a re-run notebook cell would redraw the same noise). Each test is a run of its own,
+  with its own constant keys: the keys earlier tests drew from are forgotten before it starts
+  (a test of the registry builds its runs inside itself)."""
+  from optax_accum.privacy import _noise  # noqa: PLC0415 (after XLA_FLAGS is set)
+
+  _noise._DRAWN.clear()

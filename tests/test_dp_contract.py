@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import optax_accum as oa
 from optax_accum import _checks
 from optax_accum.privacy import CONTRACT
+from optax_accum.privacy._contract import MESSAGES
 
 C, N, REAL, SIGMA, AX = 1.0, 48, 16, 0.5, "data"
 B = float(N)  # the public expected batch size dp_noise divides by
@@ -508,7 +509,87 @@ def _replace_one() -> float:
   return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * B / (2 * C)
 
 
+def _bf16_microbatch():
+  """bfloat16 parameters through microbatch(clipped_grad): the sums stay float32 until the
+  noise, so the released update moves by at most C/B."""
+  summed = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3))
+  out = summed(BF16, X, Y, mask(True))
+  assert {v.dtype for v in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
+  return ratio(jax.jit(lambda m: released(summed(BF16, X, Y, m))))
+
+
+def _shared_table():
+  """clipped_grad(..., shared_argnums=(3,)): a public table of the batch's size, the same for
+  every example (declared), passed whole; the labels split: the sensitivity is kept."""
+  table = np.linspace(0.0, 1.0, N).astype(np.float32)
+
+  def table_loss(p, x, y, t):
+    return loss(p, x, y) + jnp.mean(t) * jnp.sum(p["w"] ** 2)
+
+  fn = oa.privacy.clipped_grad(
+    table_loss, C, batch_argnums=(1, 2), shared_argnums=(3,), mask_argnum=4
+  )
+  step = oa.microbatch(fn, STEPS, batch_argnums=(1, 2, 4))
+  return ratio(jax.jit(lambda m: released(step(P0, X, Y, table, m))))
+
+
+def _mechanism_take():
+  """privacy.Mechanism with a PoissonSampler: a batch in which example 0 is sampled, the host
+  loop feeding ``batch.take(x, y, microbatch=i)`` (rows and mask) to mech.train_step; D' has
+  example 0 (an outlier), D has it absent (a zero row): ‖Δ‖·B/C with the sampler's B."""
+  n, b = 64, 8
+  sampler = oa.privacy.PoissonSampler(n, 0.25, b, seed=5)
+  batch = next(
+    sampler.batch(t) for t in range(100) if 0 in sampler.batch(t).indices[sampler.batch(t).mask]
+  )
+  rng = np.random.default_rng(6)
+  xs, ys = rng.normal(size=(n, 3)).astype(np.float32), rng.normal(size=(n,)).astype(np.float32)
+  params = []
+  for present in (False, True):
+    x, y = xs.copy(), ys.copy()
+    x[0], y[0] = ([30.0, -20.0, 10.0], 50.0) if present else (0.0, 0.0)
+    mech = oa.privacy.Mechanism(
+      loss, C, sampler=sampler, key=jax.random.key(5005), noise_multiplier=SIGMA,
+      batch_argnums=(1, 2), allow_key_reuse=True,
+    )  # fmt: skip
+    step = mech.train_step(optax.sgd(1.0), every_k=8, donate=False)
+    state, p = step.init(P0), jax.tree.map(jnp.array, P0)
+    for i in range(batch.num_microbatches):
+      last = i == batch.num_microbatches - 1
+      p, state, _ = step(p, state, *batch.take(x, y, microbatch=i), force_emit=last)
+    assert int(oa.privacy.dp_updates(state)) == 1
+    params.append(p)
+  diff = [np.float64(u) - np.float64(v) for u, v in zip(*map(jax.tree.leaves, params), strict=True)]
+  return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * mech.expected_batch_size / C
+
+
+def _resumed():
+  """Two updates uninterrupted, and the same two with the state saved after the first and
+  dp_noise rebuilt on the same key (allow_key_reuse=True): identical; the saved state holds no
+  key (the count only); the resumed second update moves by at most C/B."""
+  key = jax.random.key(6006)
+
+  def two_updates(m, resume):
+    tx = oa.privacy.dp_noise(SIGMA, C, B, key, allow_key_reuse=True)
+    g = CLIPPED_SUM(m)
+    _, state = tx.update(g, tx.init(g))
+    saved = jax.device_get(state)
+    assert saved._fields == ("count",) and int(saved.count) == 1
+    if resume:
+      tx = oa.privacy.dp_noise(SIGMA, C, B, key, allow_key_reuse=True)
+    return tx.update(g, saved)[0]
+
+  first, second = (jax.tree.leaves(two_updates(mask(True), r)) for r in (False, True))
+  for a, b in zip(first, second, strict=True):
+    np.testing.assert_array_equal(a, b)
+  return ratio(lambda m: two_updates(m, True))
+
+
 SENSITIVITY = {
+  "microbatch:fun=clipped_grad(...), bfloat16 parameters": _bf16_microbatch,
+  "clipped_grad:shared_argnums": _shared_table,
+  "PoissonSampler:Mechanism: batch.take(x, y), the mask with the rows": _mechanism_take,
+  "dp_noise:the state saved, dp_noise rebuilt with allow_key_reuse=True": _resumed,
   "accumulate:inner=chain(dp_noise(...), ...)": plain_accumulate,
   "accumulate:every_k=int": plain_accumulate,
   "accumulate:every_k=schedule": lambda: ratio(
@@ -614,7 +695,132 @@ def _rescaled_clip_noise():
     del rescaled
 
 
+def _raise_each(*runs):
+  """Runs each `run`; each must raise a ValueError (one row refused on several front ends);
+  re-raises the last (the row's own test matches it)."""
+  last = None
+  for run in runs:
+    try:
+      run()
+    except ValueError as e:
+      last = e
+    else:
+      raise AssertionError(f"{run} was not refused")
+  raise last
+
+
+def _before_noise(front):
+  """Something before dp_noise: scale_by_adam, scale_by_rms, scale(10.), masked, inside
+  inject_hyperparams' chain — each refused at init."""
+  firsts = [optax.scale_by_adam(), optax.scale_by_rms(), optax.scale(10.0)]
+  inners = [optax.chain(f, noise(), optax.sgd(1.0)) for f in firsts]
+  inners.append(optax.chain(optax.masked(noise(), {"w": True, "b": False}), optax.sgd(1.0)))
+  if front == "accumulate":
+    runs = [lambda i=i: oa.accumulate(i, STEPS, reduction="sum").init(P0) for i in inners]
+  else:
+    runs = [
+      lambda i=i: oa.TrainStep(CLIPPED_LOSS, i, STEPS, reduction="sum").init(P0) for i in inners
+    ]
+  _raise_each(*runs)
+
+
+def _accumulate_bf16_grads():
+  tx = oa.accumulate(inner(), STEPS, reduction="sum")
+  tx.update(BF16, tx.init(BF16), BF16)
+
+
+def _force_emit_unmasked():
+  unmasked = oa.privacy.clipped_loss(loss, C, batch_argnums=(1, 2))
+  step = oa.TrainStep(unmasked, inner(), STEPS + 2, reduction="sum", donate=False)
+  rows = micro_rows()[0]
+  step(jax.tree.map(jnp.array, P0), step.init(P0), X[rows], Y[rows], force_emit=True)
+
+
+def _unsplit_microbatch():
+  """microbatch(..., batch_argnums=(1, 3)) leaves the labels whole: refused; inside
+  data_parallel (the labels replicated, the global batch) too."""
+  alone = lambda: oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 3))(P0, X, Y, mask(True))  # noqa: E731
+  summed = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), axis_name=AX)
+  dp = oa.data_parallel(summed, AX, batch_argnums=(1, 3), mesh=mesh8())
+  _raise_each(lambda: dp(P0, X, Y, mask(True)), alone)
+
+
+def _unsplit_clipped_loss():
+  """clipped_loss(loss, C, mask_argnum=3): the labels (argument 2) not split, through TrainStep
+  and accumulate."""
+  fn = oa.privacy.clipped_loss(loss, C, mask_argnum=3)
+  rows = micro_rows()[0]
+  train = oa.TrainStep(fn, inner(), STEPS, reduction="sum", donate=False)
+  tx = oa.accumulate(inner(), STEPS, reduction="sum")
+  _raise_each(
+    lambda: tx.update(jax.grad(fn)(P0, X[rows], Y[rows], mask(True)[rows]), tx.init(P0), P0),
+    lambda: train(jax.tree.map(jnp.array, P0), train.init(P0), X[rows], Y[rows], mask(True)[rows]),
+  )
+
+
+def _unchecked_map(fn, specs, out):
+  mesh = jax.make_mesh((4, 2), (AX, "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out, check_vma=False))
+
+
+def _clipped_without_variance():
+  summed = oa.microbatch(CLIPPED_GRAD, STEPS, batch_argnums=(1, 2, 3), axis_name=AX)
+  pspec = jax.tree.map(lambda _: P(), P0)
+  run = _unchecked_map(summed, (pspec, P(AX), P(AX), P(AX)), pspec)
+  pmapped = jax.pmap(lambda x, y, m: CLIPPED_GRAD(P0, x, y, m), axis_name=AX)
+  _raise_each(
+    lambda: pmapped(X.reshape(8, 6, 3), Y.reshape(8, 6), mask(True).reshape(8, 6)),
+    lambda: run(P0, X, Y, mask(True)),
+  )
+
+
+def _noise_without_variance():
+  tx = noise()
+  run = _unchecked_map(lambda g: tx.update(g, tx.init(g))[0], P("model"), P("model"))
+  run(jnp.zeros(8))
+
+
+def _key_drawn_before():
+  """A "notebook cell" run twice: the first run's dp_noise is gone (collected), the key not."""
+  import gc  # noqa: PLC0415
+
+  def cell():
+    tx = oa.privacy.dp_noise(SIGMA, C, B, jax.random.key(40_005))
+    return tx.update(P0, tx.init(P0))[0]
+
+  cell()
+  gc.collect()
+  cell()
+
+
 REFUSALS = {
+  "accumulate:inner=chain(<anything>, dp_noise(...), ...)": lambda: _before_noise("accumulate"),
+  "TrainStep:inner=chain(<anything>, dp_noise(...), ...)": lambda: _before_noise("TrainStep"),
+  "accumulate:gradients narrower than float32 (bfloat16 parameters)": _accumulate_bf16_grads,
+  "TrainStep:loss_fn=clipped_loss(...), no dp_noise in inner": lambda: oa.TrainStep(
+    CLIPPED_LOSS, optax.sgd(1.0), STEPS, reduction="sum"
+  ).init(P0),
+  "TrainStep:dp_noise in inner, loss_fn not clipped": lambda: oa.TrainStep(
+    loss, inner(), STEPS, reduction="sum"
+  ).init(P0),
+  "TrainStep:bfloat16 parameters": lambda: oa.TrainStep(
+    CLIPPED_LOSS, inner(), STEPS, reduction="sum"
+  ).init(BF16),
+  "TrainStep:step(..., force_emit=True), loss_fn without mask_argnum": _force_emit_unmasked,
+  "microbatch:an argument with the batch's size not in batch_argnums": _unsplit_microbatch,
+  "microbatch:num_real_microbatches, fun without mask_argnum": lambda: oa.microbatch(
+    oa.privacy.clipped_grad(loss, C, batch_argnums=(1, 2)),
+    STEPS,
+    batch_argnums=(1, 2),
+    num_real_microbatches=2,
+  ),
+  "clipped_grad:an argument with the batch's size not in batch_argnums": lambda: oa.microbatch(
+    oa.privacy.clipped_grad(loss, C, mask_argnum=3), STEPS, batch_argnums=(1, 2, 3)
+  )(P0, X, Y, mask(True)),
+  "clipped_loss:an argument with the batch's size not in batch_argnums": _unsplit_clipped_loss,
+  "clipped_grad:inside shard_map(check_vma=False) or pmap": _clipped_without_variance,
+  "dp_noise:inside shard_map(check_vma=False) or pmap": _noise_without_variance,
+  "dp_noise:a key drawn from before in this process": _key_drawn_before,
   "dp_noise:l2_clip=C for clipped_grad/clipped_loss(..., rescale_to_unit_norm=True)": (
     _rescaled_clip_noise
   ),
@@ -655,9 +861,12 @@ REFUSALS = {
 
 
 def _error_text(row) -> str:
-  """The row's full error, less the caller (`accumulate.init`, `TrainStep`, ...)."""
-  text = _checks.PRIVATE_REFUSED[row.error].split("{caller}: ", 1)[1]
-  return text.format(dtype="bfloat16")
+  """The row's full error, less the caller (`accumulate.init`, `TrainStep`, ...), as a regular
+  expression: the template's text exactly, each of its fields (a dtype, an argument's
+  position, a key's data) any text."""
+  text = MESSAGES[row.error].split("{caller}: ", 1)[1].replace("{ON}", "on a private path")
+  parts = re.split(r"\{[a-z_]+\}", text)
+  return ".+?".join(re.escape(part) for part in parts)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -698,7 +907,7 @@ def test_kept_row_moves_the_update_by_at_most_c_over_b(row):
 
 @pytest.mark.parametrize("row", [r for r in CONTRACT if r.verdict == "refused"], ids=lambda r: r.id)
 def test_refused_row_raises_before_training(row):
-  with pytest.raises(ValueError, match=re.escape(_error_text(row))) as caught:
+  with pytest.raises(ValueError, match=_error_text(row)) as caught:
     REFUSALS[row.id]()
   assert str(caught.value).split(":")[0].split(".")[0] == row.front  # the front end named
 

@@ -6,6 +6,7 @@ its scale. σ > 0: the noise's statistics over 2,000 seeds, its sameness across 
 number of random-number draws in the compiled programs.
 """
 
+import gc
 import re
 
 import _reference as ref
@@ -179,8 +180,10 @@ def _noisy_runs(params, batch, clip, sigma):
   grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
   stacked = jax.tree.map(lambda v: v.reshape(K, N // K, *v.shape[1:]), batch)
 
-  def run(key_data):
-    state = optax.tree_utils.tree_set(tx.init(params), key=key_data)
+  def run(start):
+    # Independent noise streams from one key: each run starts at its own update count (the key
+    # is not in the state; fold_in(key, count) is as good a stream as another key's).
+    state = optax.tree_utils.tree_set(tx.init(params), count=start)
 
     def window(state, _):
       def micro(state, mb):
@@ -192,8 +195,8 @@ def _noisy_runs(params, batch, clip, sigma):
 
     return lax.scan(window, state, length=2)[1]
 
-  keys = jax.vmap(lambda i: jax.random.key_data(jax.random.key(i)))(jnp.arange(SEEDS))
-  return jax.jit(jax.vmap(run))(keys)
+  starts = jnp.arange(SEEDS, dtype=jnp.int32) * 1000  # two updates each: no count shared
+  return jax.jit(jax.vmap(run))(starts)
 
 
 @pytest.fixture(scope="module")
@@ -343,8 +346,12 @@ def _nf_accumulate_shard_map(skip, batches):
 
 
 def _nf_train_step(skip, batches, **kw):
+  def planted_loss(p, pieces):  # stands for a clipped loss (TrainStep needs both halves)
+    return piece_loss(p, pieces)
+
+  planted_loss.__dp_private__ = True
   step = oa.TrainStep(
-    piece_loss, _dp_inner(), WK, reduction="sum", skip_nonfinite=skip, donate=False, **kw
+    planted_loss, _dp_inner(), WK, reduction="sum", skip_nonfinite=skip, donate=False, **kw
   )
   p = jax.tree.map(jnp.asarray, NF_PARAMS)
   state, after = step.init(p), []
@@ -492,7 +499,7 @@ def test_dp_noise_keeps_gradient_dtypes():
   grads = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones((2, 2), jnp.float32)}
   updates, state = jax.jit(tx.update)(grads, tx.init(grads))
   assert jax.tree.map(lambda u: u.dtype, updates) == jax.tree.map(lambda g: g.dtype, grads)
-  assert state.count.dtype == jnp.int32 and state.key.dtype == jnp.uint32
+  assert state.count.dtype == jnp.int32 and state._fields == ("count",)  # no key in the state
 
 
 @pytest.mark.parametrize(
@@ -516,15 +523,19 @@ def test_dp_noise_rejects_a_reused_key():
   first = oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
   with pytest.raises(ValueError, match=r"dp_noise: this key \(data \[0, 123456\]\) was already"):
     oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
-  with pytest.raises(ValueError, match=r"already given to another dp_noise"):
+  with pytest.raises(ValueError, match=r"already given to a dp_noise in this process"):
     oa.privacy.dp_noise(2.0, 1.0, 8.0, jax.random.PRNGKey(123_456))  # the same key, legacy spelling
-  again = oa.privacy.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a rebuilt run, on purpose
+  again = oa.privacy.dp_noise(1.0, 1.0, 8.0, key, allow_key_reuse=True)  # a resumed run
   assert again is not first
   del first, again
-  oa.privacy.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: fine
+  gc.collect()
+  with pytest.raises(ValueError, match=r"already given to a dp_noise in this process"):
+    oa.privacy.dp_noise(1.0, 1.0, 8.0, key)  # no live holder: still the same noise (issue 40)
+  oa.privacy.dp_noise(0.0, 1.0, 8.0, key)  # σ = 0 draws nothing from the key
 
 
-def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
+def test_dp_noise_key_of_a_finished_run_is_still_refused():
+  """A re-run notebook cell: the first run is gone (collected), its key is not free again."""
   key = jax.random.key(654_321)
 
   class Run:  # a training-step object in a reference cycle, as TrainStep and its closures are
@@ -532,8 +543,10 @@ def test_dp_noise_key_of_a_finished_run_in_a_cycle_is_free_again():
       self.tx = oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
       self.me = self
 
-  Run()  # finished: unreachable, but not collected yet
-  oa.privacy.dp_noise(1.0, 1.0, 8.0, key)  # the collector runs before a key is called held
+  Run()  # finished: unreachable
+  gc.collect()
+  with pytest.raises(ValueError, match=r"already given to a dp_noise in this process"):
+    oa.privacy.dp_noise(1.0, 1.0, 8.0, key)
 
 
 @pytest.mark.parametrize(
@@ -570,7 +583,8 @@ def test_dp_noise_rides_on_the_one_all_reduce_per_update(problem):
     counts = {}
     for name, inner in (
       ("noise", optax.chain(noise(SIGMA, clip), optax.sgd(1.0))),
-      ("plain", optax.sgd(1.0)),
+      # σ = 0: no random numbers, the division only (a clipped loss needs dp_noise in TrainStep)
+      ("plain", optax.chain(noise(0.0, clip), optax.sgd(1.0))),
     ):
       step = oa.TrainStep(loss, inner, every_k=k, reduction="sum", axis_name=AX, mesh=mesh)
       state, mb = step.init(params), micro_batches(batch, 16)[0]
@@ -596,7 +610,7 @@ def test_dp_noise_takes_every_key_implementation(impl):
   tx = oa.privacy.dp_noise(SIGMA, clip, batch, jax.random.key(next(_SEEDS), impl=impl))
   zeros = jnp.zeros(20_000)
   state = tx.init(zeros)
-  assert state.key.shape == jax.random.key_data(jax.random.key(0, impl=impl)).shape
+  assert state._fields == ("count",)  # the key stays with the transformation
   update = jax.jit(tx.update)
   first, state = update(zeros, state)
   second, state = update(zeros, state)
@@ -622,6 +636,6 @@ def test_dp_noise_same_key_data_of_other_implementations_are_different_keys():
   # rbg's key data is 4 words: never confused with a threefry key (2 words), held or not.
   a = oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="rbg"))
   b = oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="unsafe_rbg"))
-  with pytest.raises(ValueError, match=r"already given to another dp_noise"):
+  with pytest.raises(ValueError, match=r"already given to a dp_noise in this process"):
     oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(777_001, impl="rbg"))
   del a, b

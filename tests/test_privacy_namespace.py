@@ -14,6 +14,7 @@ PRIVATE_NAMES = {
   "ClipStats",
   "ClippedGrad",
   "DPNoiseState",
+  "Mechanism",
   "PoissonBatch",
   "PoissonSampler",
   "clipped_grad",

@@ -5,12 +5,16 @@ handwritten digits with Poisson-sampled logical batches far larger than the micr
 
 * `PoissonSampler` draws each logical batch (expected size ``--batch-size``) and pads it to
   whole micro-batches of ``--micro`` examples with a mask; micro-step ``i`` takes
-  ``batch.microbatch(i)``, micro-batch ``i`` in the batch's own layout (its split);
-* `TrainStep(clipped_loss(loss, C), chain(dp_noise(σ, C, B, key), adam), reduction="sum")`
-  sums the clipped per-example gradients over the batch's micro-steps (the window length is
-  chosen on the host, ``force_emit`` on the last micro-step) and adds the noise once;
+  ``batch.take(x, y, microbatch=i)``: micro-batch ``i``'s rows in the batch's own layout (its
+  split) *and* their mask, which never travel apart;
+* `privacy.Mechanism(loss, C, sampler=..., key=..., noise_multiplier=σ)` holds the whole
+  mechanism; its `train_step(adam, every_k)` is
+  ``TrainStep(clipped_loss(loss, C, mask_argnum=3), chain(dp_noise(σ, C, B, key), adam),
+  reduction="sum")``: it sums the clipped per-example gradients over the batch's micro-steps
+  (the window length is chosen on the host, ``force_emit`` on the last micro-step) and adds the
+  noise once;
 * σ is calibrated for ``--epsilon`` at δ (`dp_noise_multiplier`), and ε is reported from the
-  update count the optimizer state holds (`dp_updates`, `dp_epsilon`).
+  update count the optimizer state holds (`Mechanism.epsilon`: `dp_updates`, `dp_epsilon`).
 
 A non-private model (same model, same number of updates, batches of the expected size, no
 clipping or noise) is trained beside it, and both test accuracies are printed.
@@ -102,26 +106,24 @@ def accuracy(params: dict, x: np.ndarray, y: np.ndarray) -> float:
 
 def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
   """DP training: one Poisson batch per update, its micro-steps chosen on the host."""
+  # The sampler's seed and the noise key are secrets (a real run draws them from the OS).
   sampler = optax_accum.privacy.PoissonSampler(
     len(x), args.batch_size / len(x), args.micro, seed=args.seed
   )
-  noise = optax_accum.privacy.dp_noise(
-    sigma, args.clip, sampler.expected_batch_size, jax.random.key(args.seed + 1)
-  )
-  step = optax_accum.TrainStep(
-    optax_accum.privacy.clipped_loss(loss, args.clip, batch_argnums=(1, 2), mask_argnum=3),
-    optax.chain(noise, optax.adam(args.lr)),
-    every_k=len(x) // args.micro + 1,  # a cap above any window: force_emit closes each one
-    reduction="sum",
-  )
+  mech = optax_accum.privacy.Mechanism(
+    loss, args.clip, sampler=sampler, key=jax.random.key(args.seed + 1), noise_multiplier=sigma,
+    delta=args.delta, batch_argnums=(1, 2),
+  )  # fmt: skip
+  # every_k: a cap above any window (force_emit closes each one).
+  step = mech.train_step(optax.adam(args.lr), every_k=len(x) // args.micro + 1)
   state, micro_steps = step.init(params), 0
   bar = _bar(args, "private")
   for _ in range(args.updates):
     batch = next(sampler)
     for i in range(batch.num_microbatches):
-      idx, mask = batch.microbatch(i)  # micro-batch i in the batch's own layout (its split)
       last = i == batch.num_microbatches - 1
-      params, state, _ = step(params, state, x[idx], y[idx], mask, force_emit=last)
+      rows = batch.take(x, y, microbatch=i)  # (x rows, y rows, mask), in the batch's layout
+      params, state, _ = step(params, state, *rows, force_emit=last)
       micro_steps += 1
     bar.set_postfix_str(f"{micro_steps} micro-steps", refresh=False)
     bar.update(1)

@@ -7,6 +7,7 @@ imports this package; its front ends recognise a private chain and check their o
 the privacy contract.
 """
 
+from optax_accum.privacy import _guard
 from optax_accum.privacy._accounting import dp_epsilon, dp_noise_multiplier
 from optax_accum.privacy._audit import AuditResult, audit_epsilon, epsilon_lower_bound
 from optax_accum.privacy._clipping import (
@@ -17,8 +18,11 @@ from optax_accum.privacy._clipping import (
   clipped_loss,
 )
 from optax_accum.privacy._contract import CONTRACT, ContractRow, contract_table
+from optax_accum.privacy._mechanism import Mechanism
 from optax_accum.privacy._noise import DPNoiseState, dp_noise, dp_updates
 from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
+
+_guard.install()  # the front ends' private-path checks (`optax_accum._checks.private_check`)
 
 __all__ = [
   "AuditResult",
@@ -28,6 +32,7 @@ __all__ = [
   "ClippedGrad",
   "ContractRow",
   "DPNoiseState",
+  "Mechanism",
   "PoissonBatch",
   "PoissonSampler",
   "audit_epsilon",

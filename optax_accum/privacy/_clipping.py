@@ -26,6 +26,7 @@ from jax import lax
 
 from optax_accum import _batch, _collectives
 from optax_accum._typing import ArgNums
+from optax_accum.privacy import _guard
 
 NO_BATCH = (
   "clipped_grad: {what}. Per-example clipping needs the examples: name the arguments whose "
@@ -330,6 +331,14 @@ class Options(NamedTuple):
   mask_argnum: int | None
   has_aux: bool = False  # the loss returns (value, aux)
   rescale: bool = False  # rescale_to_unit_norm: each clipped gradient ÷ C (bound 1)
+  shared: tuple[int, ...] = ()  # shared_argnums: passed whole to every example, on purpose
+  caller: str = "clipped_grad"  # the factory, named in errors
+
+  @property
+  def shared_outer(self) -> tuple[int, ...]:
+    """`shared` as positions of the returned function's arguments (the mask inserted)."""
+    m = self.mask_argnum
+    return tuple(n + 1 if m is not None and n >= m else n for n in self.shared)
 
 
 def clipped_sum(loss, opts: Options, params, args) -> Clipped:
@@ -342,11 +351,19 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
   sums are the device's own (`like_params` reduces them as `jax.grad` would).
   """
   l2_clip, nums, mask_argnum = opts.l2_clip, opts.nums, opts.mask_argnum
+  _guard.check_variance(opts.caller)
   args = list(args)
   mask = args.pop(mask_argnum - 1) if mask_argnum is not None else None
   size = _batch_size(args, nums)
+  batch = [args[n - 1] for n in nums]
+  # An argument passed whole to every example with the batch's leading size (the labels of
+  # `loss(params, x, y)` left out of batch_argnums) would reach every per-example gradient.
+  _guard.check_unsplit(
+    opts.caller, "example", (None, *args), nums, set(opts.shared), size, jax.tree.leaves(batch),
+    nums,
+  )  # fmt: skip
   real = _real(mask, size)
-  batch_axes = _axes_of([args[n - 1] for n in nums] + [real])
+  batch_axes = _axes_of(batch + [real])
 
   diff = params.arrays
   local = [_collectives._pcast(x, batch_axes) for x in diff]
@@ -380,7 +397,11 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
       out = jnp.where(clip.reshape(shape), unit, g / jnp.asarray(l2_clip, acc))
     else:
       out = jnp.where(clip.reshape(shape), unit * jnp.asarray(l2_clip, acc), g)
-    return jnp.sum(jnp.where(keep.reshape(shape), out, 0), axis=0).astype(jnp.result_type(p))
+    # At least float32 (a bfloat16 parameter's sum too): rounded to the parameter's dtype
+    # only after the noise (`dp_noise` adds it in float32; `apply_updates` casts).
+    return jnp.sum(jnp.where(keep.reshape(shape), out, 0), axis=0).astype(
+      jnp.promote_types(jnp.result_type(p), jnp.float32)
+    )
 
   sums = [clipped_total(g, p) for g, p in zip(grads, diff, strict=True)]
   norms = jnp.where(real, r / f, 0.0)
@@ -415,6 +436,8 @@ class ClippedGrad:
   return_values: bool = False
   rescale_to_unit_norm: bool = False
   mask_argnum: int | None = None  # where the returned function takes the mask (`microbatch`)
+  # where it takes arguments passed whole to every example on purpose (`shared_argnums`)
+  shared_argnums: tuple[int, ...] = ()
 
   def __call__(self, *args: Any, **kwargs: Any) -> Any:
     return self.fun(*args, **kwargs)
@@ -460,18 +483,40 @@ class ClippedGrad:
     return RELATIONS[check_relation(neighboring_relation, "sensitivity")] * self.l2_norm_bound
 
 
-def _options(caller: str, loss: Any, l2_clip: Any, batch_argnums, mask_argnum, **flags) -> Options:
+def _shared(shared_argnums: Any, nums: tuple[int, ...], caller: str) -> tuple[int, ...]:
+  """`shared_argnums` checked: positions >= 1 of the loss's arguments, none a batch argument."""
+  shared = (shared_argnums,) if isinstance(shared_argnums, int) else tuple(shared_argnums)
+  bad = [n for n in shared if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+  if bad:
+    raise ValueError(
+      f"{caller}: shared_argnums must be positions >= 1 of the loss's arguments, got "
+      f"{shared_argnums!r}."
+    )
+  both = sorted(set(shared) & set(nums))
+  if both:
+    raise ValueError(
+      f"{caller}: shared_argnums={shared_argnums!r} and batch_argnums={nums} both hold {both}: "
+      "an argument is either split per example or passed whole to every example."
+    )
+  return tuple(shared)
+
+
+def _options(
+  caller: str, loss: Any, l2_clip: Any, batch_argnums, mask_argnum, shared_argnums, **flags
+) -> Options:
   """The options, checked: the loss callable, C, the argnums and the boolean flags."""
   if not callable(loss):
     raise TypeError(f"{caller}: loss must be callable, got {loss!r}.")
   l2_clip = _check_clip(l2_clip, caller)
   nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
+  shared = _shared(shared_argnums, nums, caller)
   for name, value in flags.items():
     if not isinstance(value, bool | np.bool_):
       raise TypeError(f"{caller}: {name} must be a bool, got {value!r}.")
   return Options(
-    l2_clip, nums, mask_argnum, bool(flags.get("has_aux")), bool(flags["rescale_to_unit_norm"])
-  )
+    l2_clip, nums, mask_argnum, bool(flags.get("has_aux")), bool(flags["rescale_to_unit_norm"]),
+    shared, caller,
+  )  # fmt: skip
 
 
 def clipped_grad(
@@ -480,6 +525,7 @@ def clipped_grad(
   *,
   batch_argnums: ArgNums = 1,
   mask_argnum: int | None = None,
+  shared_argnums: ArgNums = (),
   has_aux: bool = False,
   return_values: bool = False,
   rescale_to_unit_norm: bool = False,
@@ -490,11 +536,13 @@ def clipped_grad(
   ``clip_C(g) = g · min(1, C / ‖g‖)``, with ``‖g‖`` the global L2 norm over all parameters,
   computed in float32. Each example is passed to `loss` with its leading batch axis kept, of
   size 1 (jax_privacy's ``keep_batch_dim=True``), so a loss written for a batch works as it is.
-  The gradient is taken with respect to argument 0 and summed in float32, then cast to each
-  parameter's dtype. An example whose gradient is not finite contributes 0 (an unbounded
-  contribution would void the guarantee). Padding examples (mask 0) contribute exactly 0. The
-  norm is computed without overflow or underflow: any finite gradient longer than ``C``
-  contributes ``C·g/‖g‖`` (an exploding one too).
+  The gradient is taken with respect to argument 0 and summed in float32, and returned in at least
+  float32 (a bfloat16 parameter's sum too: rounding it before the noise would move the update by
+  more than ``C/B``; `dp_noise` adds the noise in float32 and ``optax.apply_updates`` casts the
+  noisy update to the parameter's dtype). An example whose gradient is not finite contributes 0
+  (an unbounded contribution would void the guarantee). Padding examples (mask 0) contribute
+  exactly 0. The norm is computed without overflow or underflow: any finite gradient longer than
+  ``C`` contributes ``C·g/‖g‖`` (an exploding one too).
 
   The gradient is taken with respect to the floating arrays of the parameters; other leaves (an
   Equinox module's activation functions, integer arrays) are held as they are and get None in
@@ -517,7 +565,14 @@ def clipped_grad(
       leading axis is the batch; all must have the same leading size ``B``.
     mask_argnum: optional position of one more argument of the returned function (not passed
       to `loss`): a ``(B,)`` array, nonzero for real examples and 0 for padding. In a
-      `microbatch`, name it in `batch_argnums` there so that it is split with the batch.
+      `microbatch`, name it in `batch_argnums` there so that it is split with the batch. A
+      padded batch (`PoissonSampler`'s) needs it: `microbatch(num_real_microbatches=...)` and
+      `TrainStep(force_emit=True)` refuse a clipped function without it.
+    shared_argnums: positions (in `loss`'s arguments, >= 1) of arguments passed whole to every
+      example on purpose: the same for every example, though their leading size may be the
+      batch's. Any other argument with the batch's leading size raises (at the first call): the
+      labels of ``loss(params, x, y)`` left out of `batch_argnums` would reach every example's
+      gradient.
     has_aux: `loss` returns ``(value, aux)``; each example's aux is returned (``ClipAux.aux``,
       one row per example, padding rows 0): stacked along a new leading axis, whose next axis
       is dropped where it has size 1 (the example's batch axis: its ``(1, 10)`` logits come
@@ -546,8 +601,11 @@ def clipped_grad(
       negative `batch_argnums` (or one naming the parameters), a bad `mask_argnum`, a flag
       that is not a bool; at call time, for batch arguments that are missing, hold no arrays
       or disagree on the batch size, a mask of the wrong shape, parameters without a floating
-      array, or (inside `shard_map`) a loss that gathers or permutes values over an axis the
-      examples are split over (FSDP written by hand: per-example gradients would mix examples).
+      array, an argument that is not split but has the batch's leading size (not in
+      `shared_argnums`), inside a map without device-variance types
+      (``shard_map(check_vma=False)``, ``pmap``), or (inside `shard_map`) a loss that gathers
+      or permutes values over an axis the examples are split over (FSDP written by hand:
+      per-example gradients would mix examples).
 
   >>> import jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)  # per-example gradient: the example x itself
@@ -562,7 +620,7 @@ def clipped_grad(
   [7.0, 0.7]
   """
   opts = _options(
-    "clipped_grad", loss, l2_clip, batch_argnums, mask_argnum, has_aux=has_aux,
+    "clipped_grad", loss, l2_clip, batch_argnums, mask_argnum, shared_argnums, has_aux=has_aux,
     return_values=return_values, rescale_to_unit_norm=rescale_to_unit_norm,
     return_stats=return_stats,
   )  # fmt: skip
@@ -579,7 +637,7 @@ def clipped_grad(
 
   out = ClippedGrad(
     fun, opts.l2_clip, bool(return_stats), opts.has_aux, bool(return_values), opts.rescale,
-    opts.mask_argnum,
+    opts.mask_argnum, opts.shared_outer,
   )  # fmt: skip
   _register(out, opts.l2_clip, opts.rescale)
   return out
@@ -591,6 +649,7 @@ def clipped_loss(
   *,
   batch_argnums: ArgNums = 1,
   mask_argnum: int | None = None,
+  shared_argnums: ArgNums = (),
   has_aux: bool = False,
   rescale_to_unit_norm: bool = False,
 ) -> Callable[..., Any]:
@@ -615,6 +674,7 @@ def clipped_loss(
     l2_clip: as for `clipped_grad`.
     batch_argnums: as for `clipped_grad`.
     mask_argnum: as for `clipped_grad`.
+    shared_argnums: as for `clipped_grad`.
     has_aux: `loss` returns ``(value, aux)``; `f` then returns ``(Σᵢ valueᵢ, aux)`` with each
       example's aux stacked as `clipped_grad`'s (one row each, an axis 1 of size 1 dropped,
       padding rows 0): not privatised, do not release it.
@@ -641,7 +701,7 @@ def clipped_loss(
   Array([7.  , 0.75], dtype=float32)
   """
   opts = _options(
-    "clipped_loss", loss, l2_clip, batch_argnums, mask_argnum, has_aux=has_aux,
+    "clipped_loss", loss, l2_clip, batch_argnums, mask_argnum, shared_argnums, has_aux=has_aux,
     rescale_to_unit_norm=rescale_to_unit_norm,
   )  # fmt: skip
 
@@ -664,7 +724,9 @@ def clipped_loss(
     def bwd(res, ct):
       sums, arrays = res
       ct = ct[0] if opts.has_aux else ct  # the aux's cotangent is not the loss's
-      scaled = [(ct * g).astype(g.dtype) for g in sums]
+      # The cotangent of each parameter has its dtype (a custom VJP must): for a parameter
+      # narrower than float32, accumulate/TrainStep refuse that rounding before the noise.
+      scaled = [(ct * g).astype(jnp.result_type(p)) for g, p in zip(sums, arrays, strict=True)]
       return (like_params(scaled, arrays),)
 
     value.defvjp(fwd, bwd)
@@ -672,6 +734,7 @@ def clipped_loss(
 
   f.l2_norm_bound = 1.0 if opts.rescale else opts.l2_clip  # type: ignore[attr-defined]
   f.mask_argnum = opts.mask_argnum  # type: ignore[attr-defined]
+  f.shared_argnums = opts.shared_outer  # type: ignore[attr-defined]
   f.has_aux = opts.has_aux  # type: ignore[attr-defined]
   _register(f, opts.l2_clip, opts.rescale)
   return f

@@ -20,6 +20,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from optax_accum import _checks
+from optax_accum.privacy import _guard
+
+#: Every refused row's message by key: the core's checks' and the privacy package's own.
+MESSAGES = {**_checks.PRIVATE_REFUSED, **_guard.REFUSED}
 
 KEPT, MADE_RIGHT, REFUSED = "kept", "made right", "refused"
 
@@ -32,7 +36,7 @@ class ContractRow(NamedTuple):
   option: str  # the option (or layout) as written in code
   verdict: str  # KEPT, MADE_RIGHT or REFUSED
   why: str  # what it does on a private path, in one sentence
-  error: str | None = None  # REFUSED: the key of its message in `_checks.PRIVATE_REFUSED`
+  error: str | None = None  # REFUSED: the key of its message in `MESSAGES`
 
   @property
   def id(self) -> str:
@@ -45,7 +49,7 @@ class ContractRow(NamedTuple):
     refused."""
     if self.error is None:
       return None
-    return _checks.PRIVATE_REFUSED[self.error].replace("{caller}", self.front)
+    return MESSAGES[self.error].replace("{caller}", self.front).replace("{ON}", "on a private path")
 
 
 _R = ContractRow
@@ -104,6 +108,12 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "a short window (e.g. a small Poisson draw) sums fewer clipped gradients; the noise and "
      "the divisor B are the same (force_emit must be public, e.g. the sampler's count)"),
   _R("accumulate", "update(emit=...)", KEPT, "the same window, without a device conditional"),
+  _R("accumulate", "inner=chain(<anything>, dp_noise(...), ...)", REFUSED,
+     "what stands before the noise acts on the un-noised clipped sums (a statistic of the data "
+     "or a change of scale: scale_by_adam, scale_by_rms, scale, masked, multi_transform)",
+     "noise_not_first"),
+  _R("accumulate", "gradients narrower than float32 (bfloat16 parameters)", REFUSED,
+     "each micro-step's clipped sum rounded to bfloat16 before the noise", "narrow_sums"),
   # TrainStep(loss_fn, inner, every_k, ...) and its call
   _R("TrainStep", "loss_fn=clipped_loss(...)", KEPT, _SUM),
   _R("TrainStep", "inner holding scale_by_gain", REFUSED,
@@ -135,6 +145,18 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "donate=True, grad_buffer=True", KEPT, "memory only"),
   _R("TrainStep", 'axis_name="data", mesh', KEPT,
      "per-device clipped sums, one all-reduce per window, one noise draw after it"),
+  _R("TrainStep", "inner=chain(<anything>, dp_noise(...), ...)", REFUSED,
+     "what stands before the noise acts on the un-noised clipped sums", "noise_not_first"),
+  _R("TrainStep", "loss_fn=clipped_loss(...), no dp_noise in inner", REFUSED,
+     "half a mechanism: clipped sums applied with no noise at all", "half_clipped"),
+  _R("TrainStep", "dp_noise in inner, loss_fn not clipped", REFUSED,
+     "half a mechanism: noise scaled to C on gradients nothing bounds", "half_noise"),
+  _R("TrainStep", "bfloat16 parameters", REFUSED,
+     "clipped_loss's gradient has the parameters' dtype: each micro-step's clipped sum rounded "
+     "before the noise", "narrow_sums"),
+  _R("TrainStep", "step(..., force_emit=True), loss_fn without mask_argnum", REFUSED,
+     "variable windows are a padded sampler's batches: padding rows would count as example 0",
+     "unmasked_padding"),
   # microbatch(fun, k, ...)
   _R("microbatch", "fun=clipped_grad(...)", KEPT, _SUM),
   _R("microbatch", "fun=value_and_grad(clipped_loss(...))", KEPT, _SUM),
@@ -178,6 +200,27 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "the info (counts, total weight) is for monitoring, not a private release"),
   _R("microbatch", 'axis_name="data"', KEPT,
      "the devices' clipped sums meet in the one all-reduce after the loop"),
+  _R("microbatch", "an argument with the batch's size not in batch_argnums", REFUSED,
+     "passed whole to every micro-batch: each micro-batch's examples see all of it (also "
+     "inside data_parallel, where it is the global batch)", "unsplit_argument"),
+  _R("microbatch", "num_real_microbatches, fun without mask_argnum", REFUSED,
+     "a padded batch whose padding rows (copies of example 0) would count", "unmasked_padding"),
+  _R("microbatch", "fun=clipped_grad(...), bfloat16 parameters", MADE_RIGHT,
+     "the clipped sums stay float32 until the noise (dp_noise adds it in float32; apply_updates "
+     "casts the noisy update to the parameters' dtype)"),
+  # clipped_grad / clipped_loss themselves
+  _R("clipped_grad", "an argument with the batch's size not in batch_argnums", REFUSED,
+     "passed whole to every example (the labels of loss(params, x, y) with batch_argnums=1): "
+     "one example's label reaches every per-example gradient", "unsplit_argument"),
+  _R("clipped_loss", "an argument with the batch's size not in batch_argnums", REFUSED,
+     "as clipped_grad's (TrainStep, accumulate)", "unsplit_argument"),
+  _R("clipped_grad", "shared_argnums", KEPT,
+     "an argument declared the same for every example: passed whole, as declared"),
+  _R("clipped_grad", "inside shard_map(check_vma=False) or pmap", REFUSED,
+     "no device-variance types: a model shard's gradient clipped alone (√2·C per example)",
+     "no_variance"),
+  _R("PoissonSampler", "Mechanism: batch.take(x, y), the mask with the rows", KEPT,
+     "the clipped function takes the mask after the batch arguments; padding counts 0"),
   # data_parallel(fun, axis_name, ...)
   _R("data_parallel", 'sync="update"', KEPT,
      "binds the axis; the front ends inside keep their contract"),
@@ -189,6 +232,15 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("dp_noise", "l2_clip=C for clipped_grad/clipped_loss(..., rescale_to_unit_norm=True)",
      REFUSED, "noise σ·C on a sum whose bound is 1: not the noise the accountant is told",
      "rescaled_clip"),
+  _R("dp_noise", "inside shard_map(check_vma=False) or pmap", REFUSED,
+     "no device-variance types: every model shard of a leaf would draw the same noise",
+     "no_variance"),
+  _R("dp_noise", "a key drawn from before in this process", REFUSED,
+     "two runs on one key draw the same noise, whether or not the first is alive", "key_reused"),
+  _R("dp_noise", "the state saved, dp_noise rebuilt with allow_key_reuse=True", MADE_RIGHT,
+     "the state holds the update count only (the key stays with the transformation: a saved or "
+     "shared state cannot regenerate the noise); rebuilt on the same key with the state "
+     "restored, the stream continues at its count: the uninterrupted run's updates"),
   _R("dp_epsilon", 'neighboring_relation="replace_one"', KEPT,
      "one example replaced moves the update by at most 2C/B (sensitivity(\"replace_one\")); "
      "dp_noise draws σ·C as for add-or-remove, and the PLD accountant analyses the outputs' "

@@ -7,7 +7,12 @@ noise is drawn once per logical batch however many micro-steps and devices made 
 after an in-step `microbatch(clipped_grad(...), k, reduction="sum")` it runs once per step.
 The noise key is ``fold_in(key, count)`` with ``count`` the transformation's own update count
 (its state): never reused between updates, identical on every device (the key and the count
-are replicated), and the count is what the accountant must be given (`dp_updates`).
+are replicated), and the count is what the accountant must be given (`dp_updates`). The key is
+held by the transformation, never put in its state: a saved or shared optimizer state holds the
+count only, from which nobody can regenerate the noise. To resume, build `dp_noise` again with
+the same key and restore the state: the stream continues at the restored count. A key drawn
+from once is remembered for the life of the process (`_DRAWN`): a second `dp_noise` on it is
+refused, whether or not the first is still alive, except to resume (``allow_key_reuse``).
 
 The noise is independent per coordinate whatever the layout. Under plain `jax.jit` a leaf is
 one global array, drawn whole (sharded or not, the same numbers: JAX's partitionable
@@ -20,8 +25,6 @@ device of it.
 
 from __future__ import annotations
 
-import gc
-import weakref
 from typing import Any, NamedTuple
 
 import jax
@@ -31,28 +34,19 @@ import optax
 from jax import lax
 
 from optax_accum import _checks, _collectives
-from optax_accum.privacy import _clipping
+from optax_accum.privacy import _clipping, _guard
 
-KEY_REUSED = (
-  "dp_noise: this key (data {data}) was already given to another dp_noise that is still "
-  "alive. Two noise streams from one key draw the same noise: releasing both (two runs, two "
-  "optimizers of one run) gives an adversary the difference of the updates without noise. "
-  "Derive a fresh key for each run, e.g. `jax.random.fold_in(key, run_id)` or "
-  "`jax.random.split(key)`. If this is the same run rebuilt (e.g. to resume from a checkpoint "
-  "that restores the update count, so the stream continues rather than restarts), pass "
-  "allow_key_reuse=True."
-)
-
-# Keys given to live dp_noise transformations: key data bytes -> a weak reference to the
-# transformation's init function (the transformation, a NamedTuple, cannot be referenced weakly).
-_KEYS: dict[bytes, weakref.ref] = {}
+# Every key given to a dp_noise that draws noise in this process (its implementation and data,
+# as bytes), alive or not: the registry outlives the transformations on purpose (a second run's
+# noise equals the first's even when the first optimizer was garbage-collected).
+_DRAWN: set[bytes] = set()
 
 
 class DPNoiseState(NamedTuple):
-  """`dp_noise`'s state: its update count (the accountant's) and its key."""
+  """`dp_noise`'s state: its update count (the accountant's). The key is not in it: a saved or
+  shared state cannot regenerate the noise."""
 
   count: jax.Array  # shape=(), dtype=jnp.int32: noisy updates made so far
-  key: jax.Array  # shape=(n,), dtype=jnp.uint32: the raw key data (n = 2 for threefry)
 
 
 def _check_number(value: Any, name: str, *, positive: bool) -> float:
@@ -103,19 +97,14 @@ def _key_data(key: Any) -> tuple[jax.Array, Any]:
   return jnp.asarray(arr), impl
 
 
-def _claim(data: jax.Array, impl: Any, owner: Any, allow: bool) -> None:
-  """Records the key as in use; raises if a live dp_noise already holds it."""
+def _claim(data: jax.Array, impl: Any, allow: bool) -> None:
+  """Records the key as drawn from in this process; raises if it was already (alive or not)."""
   if isinstance(data, jax.core.Tracer):
-    return  # built under a transformation: the key has no value to compare
+    return  # built under a transformation (vmapped over keys): no value to compare
   fingerprint = str(impl).encode() + b":" + np.asarray(data).tobytes()
-  held = _KEYS.get(fingerprint)
-  if held is not None and held() is not None and not allow:
-    # A finished run's optimizer often sits in a reference cycle (a training-step object and
-    # its jitted closures) until the collector runs: collect before calling the key held.
-    gc.collect()
-    if held() is not None:
-      raise ValueError(KEY_REUSED.format(data=np.asarray(data).tolist()))
-  _KEYS[fingerprint] = weakref.ref(owner)
+  if fingerprint in _DRAWN and not allow:
+    _guard.refuse("key_reused", "dp_noise", data=np.asarray(data).tolist())
+  _DRAWN.add(fingerprint)
 
 
 def _leaf_key(key: jax.Array, x: Any) -> jax.Array:
@@ -150,15 +139,18 @@ def dp_noise(
 
   `g` is the sum of clipped per-example gradients over one logical batch (`clipped_grad`,
   `clipped_loss`). The noise is drawn from ``fold_in(key, count)``, ``count`` being this
-  transformation's own update count, so each update gets fresh noise and a resumed run
-  continues the stream. Divide by the public *expected* batch size ``B = q·N`` (Poisson
-  sampling), not the realised one: the realised size depends on the data set, and dividing by
-  it would leak it (the accounting of DP-SGD assumes a fixed divisor).
+  transformation's own update count, so each update gets fresh noise and a resumed run continues
+  the stream. The key is held by the transformation, not put in its state (`DPNoiseState` is the
+  count only): a saved or shared optimizer state cannot regenerate the noise. `privacy.Mechanism`
+  builds this transformation together with its clipped loss. Divide by the public *expected* batch
+  size ``B = q·N`` (Poisson sampling), not the realised one: the realised size depends on the data
+  set, and dividing by it would leak it (the accounting of DP-SGD assumes a fixed divisor).
 
   Where to put it: first in the inner chain of `accumulate(..., reduction="sum")` or
-  `TrainStep(..., reduction="sum")` (it runs once per window, after the one all-reduce), or
-  after an in-step ``microbatch(clipped_grad(loss, C), k, reduction="sum")``. Then any optax
-  optimizer (post-processing keeps the guarantee). Give the accountant `dp_updates(state)`.
+  `TrainStep(..., reduction="sum")` (it runs once per window, after the one all-reduce; `init`
+  refuses anything before it), or after an in-step ``microbatch(clipped_grad(loss, C), k,
+  reduction="sum")``. Then any optax optimizer (post-processing keeps the guarantee). Give the
+  accountant `dp_updates(state)`.
 
   Args:
     noise_multiplier: σ >= 0 (0: no noise, for testing; not private). The same σ is given to
@@ -171,9 +163,11 @@ def dp_noise(
     expected_batch_size: B > 0, the public expected size of a logical batch.
     key: a PRNG key (``jax.random.key(seed)``, of any implementation, e.g.
       ``jax.random.key(seed, impl="rbg")``, or the legacy ``PRNGKey``), used for nothing else;
-      each run needs its own.
-    allow_key_reuse: allow a key that another live `dp_noise` holds (the same run rebuilt to
-      resume from a checkpoint that restores the count). Otherwise that is an error.
+      each run needs its own. It is secret: it regenerates every draw. With σ > 0 it is
+      remembered for the life of the process: a second `dp_noise` on it is refused, whether or
+      not the first is still alive.
+    allow_key_reuse: allow a key already drawn from in this process, for the one legitimate
+      reuse: the same run resumed, its state restored at its update count (no draw repeats).
 
   Returns:
     An optax `GradientTransformationExtraArgs` with `DPNoiseState`. Updates keep the
@@ -181,9 +175,11 @@ def dp_noise(
 
   Raises:
     TypeError, ValueError: for σ < 0, C <= 0, B <= 0 (or non-finite ones), a key that is not
-      a single PRNG key, a key already held by another live `dp_noise`, or an `l2_clip`
+      a single PRNG key, a key already drawn from in this process (σ > 0), or an `l2_clip`
       number ``C != 1`` when every live clipped function with clip norm ``C`` rescales to
-      unit norm (the noise must follow their bound 1: pass the function).
+      unit norm (the noise must follow their bound 1: pass the function); when tracing the
+      update, inside a map without device-variance types (``shard_map(check_vma=False)``,
+      ``pmap``).
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> tx = optax_accum.privacy.dp_noise(0.0, 1.0, 4.0, jax.random.key(0))
@@ -195,22 +191,28 @@ def dp_noise(
   clip = _bound(l2_clip)
   batch = _check_number(expected_batch_size, "expected_batch_size", positive=True)
   data, impl = _key_data(key)
+  if not isinstance(data, jax.core.Tracer):
+    # A host constant: a jax.Array made under a mesh would carry that mesh's sharding into
+    # every program the update is traced in (a manual axis there: a mesh mismatch).
+    data = np.asarray(data)
   stddev = sigma * clip
 
   def init_fn(params: Any) -> DPNoiseState:
     del params
-    return DPNoiseState(jnp.zeros((), jnp.int32), jnp.asarray(data, jnp.uint32))
+    return DPNoiseState(jnp.zeros((), jnp.int32))
 
   def update_fn(updates: Any, state: DPNoiseState, params: Any = None, **extra_args: Any):
     del params, extra_args
+    _guard.check_variance("dp_noise")
     total = jax.tree.map(lambda g: jnp.asarray(g, jnp.promote_types(g.dtype, jnp.float32)), updates)
     if stddev > 0:  # σ = 0 draws nothing: the update is exactly the clipped sum / B
-      key = jax.random.fold_in(jax.random.wrap_key_data(state.key, impl=impl), state.count)
+      key = jax.random.fold_in(jax.random.wrap_key_data(data, impl=impl), state.count)
       total = jax.tree.map(lambda g, z: g + z, total, _noise(total, key, stddev))
     new = jax.tree.map(lambda t, g: (t / batch).astype(g.dtype), total, updates)
-    return new, DPNoiseState(optax.safe_increment(state.count), state.key)
+    return new, DPNoiseState(optax.safe_increment(state.count))
 
-  _claim(data, impl, init_fn, allow_key_reuse)
+  if stddev > 0:  # σ = 0 draws nothing from the key
+    _claim(data, impl, allow_key_reuse)
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 

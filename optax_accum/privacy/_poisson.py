@@ -79,6 +79,29 @@ class PoissonBatch(NamedTuple):
     at = np.arange(i, rows, k) if self.split == "strided" else np.arange(i * b, (i + 1) * b)
     return self.indices[at], self.mask[at]
 
+  def take(self, *arrays: Any, microbatch: int | None = None) -> tuple[Any, ...]:
+    """The batch's rows of each array, then its mask: ``x_b, y_b, mask = batch.take(x, y)``.
+
+    The mask travels with the rows, so the padding (copies of example 0) is never taken
+    without it: pass them together to a clipped function that takes the mask (its
+    `mask_argnum` right after the batch arguments, as `privacy.Mechanism`'s), e.g.
+    ``step(params, state, *batch.take(x, y, microbatch=i))``.
+
+    Args:
+      *arrays: arrays (NumPy or JAX) whose leading axis is the data set's examples.
+      microbatch: None for the whole padded batch, or `i` for micro-batch `i` in this batch's
+        layout (`microbatch`).
+
+    Returns:
+      ``(rows of arrays[0], rows of arrays[1], ..., mask)``; the mask is float32 (1 for sampled
+      rows, 0 for padding).
+    """
+    if microbatch is None:
+      at, mask = self.indices, self.mask
+    else:
+      at, mask = self.microbatch(microbatch)
+    return (*(a[at] for a in arrays), mask.astype(np.float32))
+
 
 class PoissonSampler:
   """Poisson-sampled logical batches of ``range(num_examples)``: seeded, reproducible, resumable.
