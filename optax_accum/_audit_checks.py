@@ -84,10 +84,10 @@ def _window_diffs(ref: Any, out: run.Run) -> list[tuple[int, str, float, float]]
 
 
 def _allowance(ref: Any, out: run.Run) -> str:
-  slack = max((w.grad_slack for w in out.windows), default=0.0)
-  if not slack:
+  slack, source = max(((w.grad_slack, w.read_from) for w in out.windows), default=(0.0, ""))
+  if not source:
     return ref.threshold
-  return f"{ref.threshold} + {fmt(slack)} (the gradient read back from your step's update)"
+  return f"{ref.threshold} + {fmt(slack)} (the gradient read back from {source})"
 
 
 def equivalence(ref: Any, out: run.Run) -> Check:

@@ -140,5 +140,7 @@ def coefficient(v: float) -> str:
 
 
 def coefficients(c: np.ndarray) -> str:
-  shown = ", ".join(coefficient(float(v)) for v in c[:8])
+  """The first 8 coefficients; those below 1e-9 of the largest (a fit's rounding) as 0."""
+  top = float(np.max(np.abs(c), initial=0.0))
+  shown = ", ".join(coefficient(float(v) if abs(v) > 1e-9 * top else 0.0) for v in c[:8])
   return f"[{shown}{', …' if len(c) > 8 else ''}]"

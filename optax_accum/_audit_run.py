@@ -108,8 +108,9 @@ class Window(NamedTuple):
   grads: Any  # the gradient the optimizer received (None where not visible)
   updates: Any  # the update it made (None where not visible)
   calls: int  # the calls of the loop that made it (k for an in-step loop)
-  grad_slack: float = 0.0  # relative error of `grads` where read back from an update
+  grad_slack: float = 0.0  # relative error of `grads` where read back (a whole step)
   rounded: bool = False  # `updates` is ``params_after - params`` (one rounding of the params)
+  read_from: str = ""  # where `grads` was read back from (a whole step), e.g. "the update"
 
 
 class Run(NamedTuple):
@@ -267,7 +268,12 @@ def _tapped_windows(s: Setup, emissions: list[Emission]) -> list[Window]:
 
 def _make_tx(s: Setup, inner: optax.GradientTransformation, **kw: Any) -> Any:
   if s.wrap is not None:
-    return s.wrap(inner)
+    tx = s.wrap(inner)
+    if not isinstance(tx, (optax.GradientTransformation, optax.GradientTransformationExtraArgs)):
+      raise TypeError(
+        f"audit: wrap(inner) must return an optax GradientTransformation, got {tx!r}."
+      )
+    return tx
   return accumulate(inner, s.k, accum_dtype=s.accum_dtype, reduction=s.reduction, **kw)
 
 

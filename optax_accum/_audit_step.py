@@ -102,12 +102,12 @@ def read_back(
       strict=False,
     )
   ]
-  candidates.append(("the update", delta, f0[0], f1[0], fr[0]))
+  candidates.append(("your step's update", delta, f0[0], f1[0], fr[0]))
   for source, got, a, b, c in candidates:
     read = _read(got, a, b, c, r)
     if read is not None:
       grads, slack = read
-      if source == "the update":  # one rounding of the parameters, p + u, in each entry
+      if source == "your step's update":  # one rounding of the parameters, p + u, in each entry
         slack = _update_slack(params_after, b, grads)
       return ReadBack(grads, slack, source)
   return None
@@ -198,7 +198,7 @@ def run_step(s: run.Setup) -> run.Run:
       continue
     delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
                          e.params, e.start)  # fmt: skip
-    windows.append(run.Window(e.start, read.grads, delta, e.calls, read.slack, rounded=True))
+    windows.append(run.Window(e.start, read.grads, delta, e.calls, read.slack, True, read.source))
   accumulator = run._accumulator(emissions[0].after) if emissions else None
   kind = "micro" if s.per_micro_batch else "update"
   batch = s.micro[0] if s.per_micro_batch else s.batch
