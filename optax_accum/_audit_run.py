@@ -198,10 +198,12 @@ def moved(new: Any, old: Any) -> bool:
   )
 
 
-def drive(s: Setup, call: Callable[..., Any], params: Any, state: Any) -> list[Emission]:
+def drive(
+  s: Setup, call: Callable[..., Any], params: Any, state: Any, updated: Callable[..., bool]
+) -> list[Emission]:
   """`s.num_updates` updates of ``call(params, state, i) -> (params, state)`` (call `i` takes
-  micro-batch ``i % k``), each ending where the parameters change; stops early where 2k calls
-  make none."""
+  micro-batch ``i % k``), each ending at the call for which ``updated(state_before,
+  state_after, params_before, params_after)``; stops early where 2k calls make none."""
   out, i = [], 0
   for _ in range(s.num_updates):
     start, calls = params, 0
@@ -209,13 +211,24 @@ def drive(s: Setup, call: Callable[..., Any], params: Any, state: Any) -> list[E
       before = state
       new, state = call(params, state, i)
       i, calls = i + 1, calls + 1
-      if moved(arrays_of(new), arrays_of(params)) or calls >= 2 * s.k:
+      done = updated(before, state, params, new)
+      if done or calls >= 2 * s.k:
         break
-    if not moved(arrays_of(new), arrays_of(params)):
+    if not done:
       return out
     out.append(Emission(start, before, state, new, calls))
     params = new
   return out
+
+
+def tap_updated(before: Any, after: Any, params: Any, new: Any) -> bool:
+  """An update: the tapped optimizer ran on a gradient that is not all zeros (a wrapper that
+  steps it with zeros between updates, as Keras 3 does, is not updating), whether or not the
+  parameters moved (a learning rate of 0 at the start of a warm-up)."""
+  was, now = tapped(before), tapped(after)
+  if int(now.calls) == int(was.calls):
+    return False
+  return any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(now.grads))
 
 
 def _weight(s: Setup, i: int) -> Any:
@@ -223,11 +236,13 @@ def _weight(s: Setup, i: int) -> Any:
 
 
 class Tapped(NamedTuple):
-  """The state of `tap`: the inner state, and the inner optimizer's last input and output."""
+  """The state of `tap`: the inner state, the inner optimizer's last input and output, and how
+  many times it ran."""
 
   inner_state: Any
   grads: Any
   updates: Any
+  calls: jax.Array  # shape=(), dtype=jnp.int32
 
 
 def tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -237,11 +252,11 @@ def tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtr
 
   def init_fn(params):
     zeros = optax.tree.zeros_like(params)
-    return Tapped(inner.init(params), zeros, zeros)
+    return Tapped(inner.init(params), zeros, zeros, jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra):
     out, inner_state = inner.update(updates, state.inner_state, params, **extra)
-    return out, Tapped(inner_state, updates, out)
+    return out, Tapped(inner_state, updates, out, optax.safe_increment(state.calls))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -295,7 +310,7 @@ def run_accumulate(s: Setup) -> Run:
   extra = lambda i: () if s.keyed is None else (s.key(i),)
   call = lambda p, st, i: step(p, st, s.micro[i % s.k], _weight(s, i), *extra(i))
   state0 = tx.init(s.params)
-  emissions = drive(s, call, s.params, state0)
+  emissions = drive(s, call, s.params, state0, tap_updated)
   state = emissions[0].after if emissions else None
   args = (s.params, state0, s.micro[0], _weight(s, 0), *extra(0))
   programs = lambda: [("micro", step.lower(*args).compile().as_text())]
@@ -329,7 +344,7 @@ def run_train_step(s: Setup) -> Run:
   extra = lambda i: (s.key(i),) if train_step_passes_keys(s) else ()
   call = lambda p, st, i: step(p, st, s.micro[i % s.k], *extra(i))[:2]
   state0 = step.init(s.params)
-  emissions = drive(s, call, s.params, state0)
+  emissions = drive(s, call, s.params, state0, tap_updated)
   state = emissions[0].after if emissions else None
 
   def programs():
@@ -374,7 +389,7 @@ def run_data_parallel(s: Setup) -> Run:
   extra = lambda i: () if s.keyed is None else (s.key(i),)
   call = lambda p, st, i: step(p, st, s.micro[i % s.k], *extra(i))
   state0 = init(s.params)
-  emissions = drive(s, call, s.params, state0)
+  emissions = drive(s, call, s.params, state0, tap_updated)
   state = emissions[0].after if emissions else None
   args = (s.params, state0, s.micro[0], *extra(0))
   programs = lambda: [("micro", step.lower(*args).compile().as_text())]

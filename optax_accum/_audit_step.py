@@ -178,7 +178,13 @@ def run_step(s: run.Setup) -> run.Run:
   """The user's step, `num_updates` updates, each read back through the optimizer."""
   call = _call(s)
   if s.per_micro_batch:
-    emissions = run.drive(s, call, s.params, s.opt_state)
+    template = s.optimizer.init(s.params)
+
+    def updated(before, after, params, new):  # the parameters or the optimizer's state moved
+      inner = (locate(before, template), locate(after, template))
+      return run.moved(new, params) or (None not in inner and run.moved(*inner))
+
+    emissions = run.drive(s, call, s.params, s.opt_state, updated)
   else:
     emissions, params, state = [], s.params, s.opt_state
     for j in range(s.num_updates):

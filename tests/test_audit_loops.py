@@ -437,3 +437,22 @@ def test_pmean_per_micro_batch_in_a_python_loop_on_8_devices():
   whole = jax.device_put(BATCH, NamedSharding(mesh, P()))
   none = optax_accum.audit(ref.mlp_loss, params, whole, K, mesh=mesh)
   assert none["collectives"].verdict.startswith("n/a: no gradient reduction"), str(none)
+
+
+# ----------------------------------------------------------------------------------------------
+# A warm-up from a learning rate of 0: the first update moves nothing, and is still an update.
+
+WARMUP = optax.adam(optax.warmup_cosine_decay_schedule(0.0, 1e-2, warmup_steps=2, decay_steps=10))
+
+
+def test_warmup_from_zero_is_an_update():
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, front_end="TrainStep", optimizer=WARMUP
+  )
+  assert report.ok, str(report)
+  tx = optax.MultiSteps(WARMUP, K)
+  step = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=multisteps_step(tx), optimizer=WARMUP,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  assert step.ok, str(step)
