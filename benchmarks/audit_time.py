@@ -159,7 +159,7 @@ def main() -> None:
     "is shared, and the wall-clock figures grow with the load. The CPU seconds (the process's",
     "own, all threads) are the work the audit does, which load does not inflate: on an idle",
     "machine of this kind its wall-clock time is about that or less (compilation threads can run",
-    "side by side). Most of it is XLA compilation (4 to 8 programs per audit).",
+    "side by side). Most of it is XLA compilation (a few small programs per audit).",
   ]
   OUT.write_text("\n".join(lines) + "\n")
   print("\n".join(lines))
