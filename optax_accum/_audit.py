@@ -1,14 +1,15 @@
 """`audit`: a pre-flight check of gradient accumulation on the user's own model.
 
-It runs the large batch and the accumulated path on the same data and reports, check by check,
+It runs the large batch and the loop under test on the same data and reports, check by check,
 what differs (`AuditReport`). The reference side is computed here directly (``jax.grad`` of the
-loss on the whole batch and on each micro-batch, one optax update on it), the side under test
-through the public front ends (`_audit_run`).
+loss on the whole batch and on each micro-batch, at the parameters each update started from);
+the side under test is the user's loop or the public front ends, run as a user runs them
+(`_audit_run`, `_audit_step`); the rows are `_audit_checks` and `_audit_collectives`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import jax
@@ -16,68 +17,85 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from optax_accum import _audit_checks as checks
+from optax_accum import _audit_collectives as collectives
+from optax_accum import _audit_keys as keys
 from optax_accum import _audit_run as run
-from optax_accum._audit_report import (
-  AuditReport,
-  Check,
-  coefficients,
-  fit,
-  flat,
-  fmt,
-  leaf_rel_diffs,
-  rel,
-  worst,
-)
-from optax_accum._microbatch import microbatch
+from optax_accum import _audit_step
+from optax_accum._audit_checks import TOL_UNITS, tolerance
+from optax_accum._audit_report import AuditReport, fit, flat, fmt, rel
 
-FrontEnd = Literal["microbatch", "accumulate", "TrainStep"]
-_FRONT_ENDS = ("microbatch", "accumulate", "TrainStep")
-# Float error allowed, in units of k·eps(dtype): the large batch and k micro-batches sum the
-# same terms in different orders, and each of the k partial results carries its own rounding.
-TOL_UNITS = 64
-# The randomness probe: each micro-batch's key draws a PROBE_DIM vector; two keys are the same
-# key when their (normalised) vectors agree to this cosine.
-PROBE_DIM = 16
-SAME_KEY_COSINE = 1 - 1e-6
+__all__ = ["TOL_UNITS", "audit", "tolerance"]
+
+FrontEnd = Literal["microbatch", "accumulate", "TrainStep", "data_parallel"]
+_FRONT_ENDS = ("microbatch", "accumulate", "TrainStep", "data_parallel")
+_IN_STEP_NOTE = "accumulate runs in your own step: audit front_end='TrainStep'"
 
 
-def tolerance(dtype: Any, k: int) -> float:
-  """The relative difference the audit allows: ``TOL_UNITS · k · eps(dtype)``."""
-  return TOL_UNITS * k * float(jnp.finfo(dtype).eps)
-
-
-def _split_static(params: Any) -> tuple[Any, Any]:
-  """The array leaves (others None) and the other leaves (arrays None), as `eqx.partition`."""
-  is_array = lambda x: isinstance(x, (jax.Array, np.ndarray, np.generic))
-  arrays = jax.tree.map(lambda x: x if is_array(x) else None, params)
-  static = jax.tree.map(lambda x: None if is_array(x) else x, params)
-  return arrays, static
-
-
-def _combine(arrays: Any, static: Any) -> Any:
-  return jax.tree.map(
-    lambda a, s: a if s is None else s, arrays, static, is_leaf=lambda x: x is None
-  )
-
-
-def _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap) -> None:
+def _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap, reduction) -> None:
   if not callable(loss_fn):
     raise TypeError(f"audit: loss_fn must be callable, got {loss_fn!r}.")
   if isinstance(k, bool) or not isinstance(k, int) or k < 2:
     raise ValueError(f"audit: k must be an int >= 2 (the micro-batches per update), got {k!r}.")
-  if not (callable(front_end) or front_end in _FRONT_ENDS):
+  if not (front_end is None or callable(front_end) or front_end in _FRONT_ENDS):
     raise ValueError(
       f"audit: front_end must be one of {_FRONT_ENDS} or a callable "
       f"``fn(loss_fn, params, batch, *keys) -> grads``, got {front_end!r}."
     )
   if optimizer is not None and not isinstance(optimizer, optax.GradientTransformation):
-    raise TypeError(f"audit: optimizer must be an optax GradientTransformation, got {optimizer!r}.")
+    raise TypeError(
+      f"audit: optimizer must be an optax GradientTransformation (the one applied once per "
+      f"update), got {optimizer!r}."
+    )
   if weight_fn is not None and not callable(weight_fn):
     raise TypeError(f"audit: weight_fn must be callable or None, got {weight_fn!r}.")
   if isinstance(num_updates, bool) or not isinstance(num_updates, int) or num_updates < 1:
     raise ValueError(f"audit: num_updates must be a positive int, got {num_updates!r}.")
   if wrap is not None and front_end != "accumulate":
     raise ValueError(f"audit: wrap is for front_end='accumulate', got front_end={front_end!r}.")
+  if reduction not in ("mean", "sum"):
+    raise ValueError(f"audit: reduction must be 'mean' or 'sum', got {reduction!r}.")
+
+
+def _check_step(step, micro_step, front_end, optimizer, opt_state) -> None:
+  if step is not None and micro_step is not None:
+    raise ValueError(
+      "audit: pass step= (one call per update) or micro_step= (one per micro-batch), not both."
+    )
+  user = step if step is not None else micro_step
+  if user is None:
+    if opt_state is not None:
+      raise ValueError("audit: opt_state is for step= or micro_step=.")
+    return
+  what = "step" if step is not None else "micro_step"
+  if not callable(user):
+    raise TypeError(f"audit: {what} must be callable, got {user!r}.")
+  if front_end is not None:
+    raise ValueError(
+      f"audit: {what}= is the loop under test: leave front_end unset, got {front_end!r}."
+    )
+  if optimizer is None:
+    raise ValueError(
+      f"audit: {what}= needs optimizer=, the optimizer your step applies once per update (the "
+      "audit reads the gradient it received back through it)."
+    )
+  if micro_step is not None and opt_state is None:
+    raise ValueError(
+      "audit: micro_step= needs opt_state=, the state your loop starts from, e.g. "
+      "tx.init(params) for tx = optax.MultiSteps(optimizer, k)."
+    )
+
+
+def _check_rng(rng: Any) -> None:
+  if rng is None or callable(rng) or keys.is_key(rng):
+    return
+  listed = isinstance(rng, Sequence) or (hasattr(rng, "shape") and np.ndim(rng) >= 1)
+  if listed and all(keys.is_key(x) for x in rng):
+    return
+  raise TypeError(
+    "audit: rng must be a PRNG key, a sequence of keys (the key your loop passes on each call) "
+    f"or a function of the call's index returning one, got {rng!r}."
+  )
 
 
 def _batch_size(batch: Any, k: int) -> int:
@@ -92,252 +110,172 @@ def _batch_size(batch: Any, k: int) -> int:
   return size
 
 
-class _Reference:
-  """The large batch's gradient, each micro-batch's, flattened, and the user's weights."""
+class Reference:
+  """The large batch's gradient and each micro-batch's, at any window's parameters; the large
+  batch's own weights of the micro-batches (``implied``), and whether there are any."""
+
+  DATA_DEPENDENT = "the weights depend on the data"
 
   def __init__(self, s: run.Setup):
-    self.large = s.grad(s.batch)
-    self.pieces = np.stack([flat(s.grad(b)) for b in s.micro])  # (k, n)
-    self.g = flat(self.large)
-    self.w = s.weights / s.weights.sum()
-    dtypes = [x.dtype for x in jax.tree.leaves(self.large) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    self.s = s
+    self._large: dict[int, Any] = {}
+    self._pieces: dict[int, np.ndarray] = {}
+    self.pieces0 = self.pieces(s.params)
+    self.g = flat(self.large(s.params))
+    self.declared = s.weights / s.weights.sum()
+    leaves = jax.tree.leaves(self.large(s.params))
+    dtypes = [x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
-    self.tol = min(tolerance(self.dtype, s.k), 1e-2)
+    self.tol = tolerance(self.dtype, s.k)
     self.threshold = f"<= {fmt(self.tol)} ({TOL_UNITS}·k·eps({jnp.dtype(self.dtype).name}))"
+    self.same_pieces = self._same_pieces()
+    self.moved = 0.0
     self.not_sum = self._decompose()
+    self.draws_per_micro_batch = (0, 0) if s.keyed is None else checks.loss_draws(s)
+    self._fits: dict[bytes, checks.Fitted] = {}
+
+  def large(self, params: Any) -> Any:
+    if id(params) not in self._large:
+      self._large[id(params)] = self.s.grad(params, self.s.batch)
+    return self._large[id(params)]
+
+  def pieces(self, params: Any) -> np.ndarray:
+    """The micro-batches' gradients at `params`, ``(k, n)``; a non-finite one (an all-padding
+    micro-batch's 0/0) as zeros: it counts for nothing in the large batch either."""
+    if id(params) not in self._pieces:
+      rows = np.stack([flat(self.s.grad(params, b)) for b in self.s.micro])
+      self._pieces[id(params)] = np.where(np.isfinite(rows), rows, 0.0)
+    return self._pieces[id(params)]
+
+  def fitted(self, got: np.ndarray, allowed: float) -> checks.Fitted:
+    """The loop's gradient `got` as a weighted sum over the micro-batches, or where that does
+    not fit to `allowed` and the batch is split over devices, over each device's share of each
+    micro-batch (a loop that weighs per device)."""
+    key = got.tobytes()
+    if key not in self._fits:
+      fitted = checks.Fitted(got, self.pieces0, self.implied, "micro-batches")
+      shares = self.shares() if fitted.residual > allowed else None
+      if shares is not None:
+        want, _ = fit(shares, self.g)
+        finer = checks.Fitted(got, shares, want, "devices' shares of the micro-batches")
+        fitted = finer if finer.residual <= allowed else fitted
+      self._fits[key] = fitted
+    return self._fits[key]
+
+  def shares(self) -> np.ndarray | None:
+    """The gradient of each device's share of each micro-batch, ``(k·D, n)`` (micro-batch
+    ``i`` of device ``d``: the rows of device d's block with ``row % k == i``, as `microbatch`
+    splits each device's rows), where the loop splits the batch over D > 1 devices."""
+    s = self.s
+    axis = collectives.data_axis(s)
+    if s.mesh is None or axis is None:
+      return None
+    axes = axis if isinstance(axis, tuple) else (axis,)
+    devices = int(np.prod([s.mesh.shape[a] for a in axes]))
+    size = jax.tree.leaves(s.batch)[0].shape[0]
+    if devices < 2 or size % (devices * s.k):
+      return None
+    block = size // devices
+    host = jax.tree.map(np.asarray, s.batch)
+    rows = [
+      np.arange(d * block + i, (d + 1) * block, s.k) for i in range(s.k) for d in range(devices)
+    ]
+    params = jax.device_get(s.params)
+    grad = lambda b: s.aot("share", jax.grad(s.loss), params, b)(params, b)
+    try:  # on one device: a loss that names mesh axes (out_sharding=) cannot run there
+      pieces = np.stack([flat(grad(jax.tree.map(lambda x, r=r: x[r], host))) for r in rows])
+    except Exception:  # noqa: BLE001  # then the rows say the loop is no sum of micro-batches
+      return None
+    return np.where(np.isfinite(pieces), pieces, 0.0)
+
+  def _same_pieces(self) -> bool:
+    eps = float(jnp.finfo(self.dtype).eps)
+    p, k = self.pieces0, self.s.k
+    return any(rel(p[i], p[j]) <= checks.SAME_EPS * eps for i in range(k) for j in range(i))
 
   def _decompose(self) -> str | None:
-    """None when the large batch's gradient is a weighted sum of the micro-batches' (with the
-    user's weights, else with fitted ones: `self.implied`), else the reason it is not."""
-    self.residual, self.implied = rel(self.w @ self.pieces, self.g), self.w
+    """None when the large batch's gradient is ``Σ Wᵢgᵢ`` over the micro-batches' (``W`` the
+    declared weights times a scale, else fitted: `implied`), else the reason it is not."""
+    base = self.declared @ self.pieces0
+    scale = float(base @ self.g / (base @ base)) if base @ base > 0 else 1.0
+    self.implied, self.residual = scale * self.declared, rel(scale * base, self.g)
     if self.residual <= self.tol:
       return None
-    if self.pieces.shape[1] <= 2 * self.pieces.shape[0]:
+    if self.pieces0.shape[1] <= 2 * self.pieces0.shape[0]:
       return "too few parameters to tell a sum over examples from any other loss"
-    self.implied, self.residual = fit(self.pieces, self.g)
-    if self.residual <= self.tol:
-      return None
-    return "the loss is not a sum over examples"
+    self.implied, self.residual = fit(self.pieces0, self.g)
+    if self.residual > self.tol:
+      return "the loss is not a sum over examples"
+    return self.DATA_DEPENDENT if self._data_dependent() else None
+
+  def _data_dependent(self) -> bool:
+    """Whether fitted weights fail to follow the data: with the heaviest micro-batch's rows
+    replaced by the lightest's, the large batch must weigh the others as before (as a sum, or
+    as a mean renormalised by the new total)."""
+    s, w = self.s, self.implied
+    heavy, light = int(np.argmax(np.abs(w))), int(np.argmin(np.abs(w)))
+    batch = jax.tree.map(lambda x: _swapped(x, heavy, light, s.k), s.batch)
+    got = flat(s.grad(s.params, batch))
+    w2 = w.copy()
+    w2[heavy] = w[light]
+    pieces = self.pieces0.copy()
+    pieces[heavy] = pieces[light]
+    as_sum = w2 @ pieces
+    as_mean = as_sum * (w.sum() / w2.sum()) if w2.sum() else as_sum
+    self.moved = min(rel(as_sum, got), rel(as_mean, got))
+    return self.moved > self.tol
 
 
-def _na(name: str, reason: str, threshold: str = "") -> Check:
-  return Check(name, f"n/a: {reason}", "", threshold)
-
-
-def _compare(name: str, got: Any, want: Any, ref: _Reference, threshold: str = "") -> Check:
-  leaf, diff = worst(leaf_rel_diffs(got, want))
-  verdict = "ok" if diff <= ref.tol else "FAIL"
-  return Check(name, verdict, f"{fmt(diff)} (worst leaf {leaf})", threshold or ref.threshold)
-
-
-def _equivalence(ref: _Reference, out: run.Run) -> Check:
-  name = "equivalence: gradient"
-  if ref.not_sum:
-    return _na(name, "see 'decomposable'")
-  return _compare(name, out.grads, ref.large, ref)
-
-
-def _replay(s: run.Setup, windows: list[run.Window]) -> list[Any]:
-  """The optimizer's updates for the front end's own gradients, at its own parameters."""
-  update = jax.jit(s.optimizer.update)
-  state, out = s.optimizer.init(s.params), []
-  for w in windows:
-    u, state = update(w.grads, state, w.params)
-    out.append(u)
-  return out
-
-
-def _updates(s: run.Setup, ref: _Reference, out: run.Run) -> list[Check]:
-  """The first and the last update against the inner optimizer applied once per update to the
-  gradients the front end accumulated: a step count (a schedule) advanced per micro-step, or
-  an update emitted from the wrong state, shows here. (Against the large batch's updates
-  instead, Adam would turn the gradient's rounding into differences of 1e-2 where a gradient
-  entry is near zero; the gradient itself is held to the large batch's above.)"""
-  names = ("first update", f"schedule: update {s.num_updates}")
-  if s.optimizer is None:
-    return [_na(n, "no optimizer given") for n in names]
-  if out.windows is None:
-    return [_na(n, "your step applies the optimizer, once per update") for n in names]
-  want = _replay(s, out.windows)
-  threshold = f"{ref.threshold} from the optimizer on the accumulated gradient"
-  rows = [_compare(names[0], out.windows[0].updates, want[0], ref, threshold)]
-  if s.num_updates < 2:
-    return [*rows, _na(names[1], "num_updates=1")]
-  return [*rows, _compare(names[1], out.windows[-1].updates, want[-1], ref, threshold)]
-
-
-def _distinct_pieces(pieces: np.ndarray) -> float:
-  """The smallest relative difference between two micro-batches' gradients."""
-  k = len(pieces)
-  return min(rel(pieces[i], pieces[j]) for i in range(k) for j in range(k) if i != j)
-
-
-def _counted(ref: _Reference, out: run.Run) -> Check:
-  name = "every micro-batch counted"
-  threshold = f"{ref.threshold} from Σ wᵢgᵢ/Σ wᵢ"
-  if _distinct_pieces(ref.pieces) <= 100 * ref.tol:
-    return _na(name, "two micro-batches have the same gradient: use varied examples", threshold)
-  got = flat(out.grads)
-  diff = rel(got, ref.w @ ref.pieces)
-  if diff <= ref.tol:
-    return Check(name, "ok", f"{fmt(diff)}", threshold)
-  c, residual = fit(ref.pieces, got)
-  seen = (
-    f"fits Σ cᵢgᵢ, c = {coefficients(c)} (residual {fmt(residual)}); want {coefficients(ref.w)}"
-  )
-  lone = np.flatnonzero(np.abs(c) > 0.5 * np.abs(c).max())
-  if residual <= ref.tol and len(lone) == 1 and np.all(np.abs(np.delete(c, lone)) < 1e-3):
-    seen += f": only micro-batch {lone[0]} counted"
-  return Check(name, "FAIL", f"{fmt(diff)}; {seen}", threshold)
-
-
-def _weighting(ref: _Reference, weighted: bool) -> Check:
-  name = "weighting"
-  if ref.not_sum:
-    return _na(name, "see 'decomposable'")
-  mine = rel(ref.w @ ref.pieces, ref.g)
-  mom = rel(ref.pieces.mean(0), ref.g)
-  yours = "your weight_fn" if weighted else "equal weights (no weight_fn)"
-  figure = f"{fmt(mine)} with {yours}; a mean of means: {fmt(mom)}"
-  if mine <= ref.tol:
-    return Check(name, "ok", figure, ref.threshold)
-  implied = ref.implied / ref.implied.sum()
-  figure += f"; the large batch weighs the micro-batches {coefficients(implied)}"
-  return Check(name, "FAIL", figure, ref.threshold)
-
-
-def _decomposable(ref: _Reference) -> Check:
-  name = "decomposable"
-  threshold = f"residual {ref.threshold}"
-  figure = f"large = Σ cᵢgᵢ to {fmt(ref.residual)}"
-  if ref.not_sum:
-    figure += (
-      " at best: no weighted sum of the micro-batches' gradients makes the large batch's "
-      "(batch statistics such as BatchNorm, in-batch negatives, a loss normalised by the "
-      "batch's own statistics): accumulation cannot match it"
-    )
-    return Check(name, f"n/a: {ref.not_sum}", figure, threshold)
-  return Check(name, "ok", figure, threshold)
-
-
-def _probed(s: run.Setup) -> Callable[..., Any]:
-  """The keyed loss plus a probe: ``probe[row] · u(key)`` for each row of the micro-batch, so
-  that the gradient of the probe's row r is the direction of the key its micro-batch saw."""
-
-  def loss(params_probe, batch_index, key):
-    params, probe = params_probe
-    batch, index = batch_index
-    u = jax.random.normal(jax.random.fold_in(key, 0x5EED), (PROBE_DIM,), probe.dtype)
-    return s.keyed_loss(params, batch, key) + jnp.sum(probe[index] * u) / index.shape[0]
-
-  return loss
-
-
-def _keys_seen(s: run.Setup, front_end: Any, rng: Any) -> tuple[int, int]:
-  """How many distinct keys the micro-batches saw, and how many rows reached the gradient."""
-  size = jax.tree.leaves(s.batch)[0].shape[0]
-  args = ((s.params, jnp.zeros((size, PROBE_DIM), jnp.float32)), (s.batch, jnp.arange(size)), rng)
-  loss = _probed(s)
-  if callable(front_end):
-    grads = jax.jit(lambda p, b, key: front_end(loss, p, b, key))(*args)
-  else:
-    wf = None if s.weight_fn is None else (lambda p, b, key: s.weight_fn(b[0]))
-    kw = dict(weight_fn=wf, rng_argnums=2, axis_name=s.axis_name, mesh=s.mesh)
-    grads = jax.jit(microbatch(jax.grad(loss), s.k, **kw))(*args)
-  rows = np.asarray(grads[1], np.float64)
-  norms = np.linalg.norm(rows, axis=1)
-  seen = rows[norms > 0] / norms[norms > 0, None]
-  keys: list[np.ndarray] = []
-  for r in seen:
-    if not any(float(r @ q) > SAME_KEY_COSINE for q in keys):
-      keys.append(r)
-  return len(keys), len(seen)
-
-
-def _randomness(s: run.Setup, front_end: Any, rng: Any) -> Check:
-  name = "randomness: a key per micro-batch"
-  threshold = f">= k={s.k} distinct keys"
-  if rng is None:
-    return _na(name, "no rng given", threshold)
-  if front_end in ("accumulate", "TrainStep"):
-    return _na(name, "your loop passes each micro-step its key: fold in the step", threshold)
-  distinct, rows = _keys_seen(s, front_end, rng)
-  figure = f"{distinct} distinct keys over {rows} rows"
-  return Check(name, "ok" if distinct >= s.k else "FAIL", figure, threshold)
-
-
-def _collectives(s: run.Setup, front_end: Any) -> Check:
-  name = "collectives"
-  threshold = f"no reduction over the data axis per micro-batch (>= {run.GRAD_MIN_BYTES} B)"
-  if s.mesh is None and s.axis_name is None:
-    return _na(name, "no mesh or axis_name given", threshold)
-  texts = run.programs(s, front_end)
-  if texts is None:
-    return _na(name, "accumulate runs in your own step: audit front_end='TrainStep'", threshold)
-  if "step" in texts:
-    text = texts["step"]
-    loop, total = run.reductions(s, text, "loop"), run.reductions(s, text)
-    figure = f"{total - loop} + {loop}×k reductions per update ({loop} in the micro-batch loop)"
-    per_micro = loop
-  else:
-    per_micro = run.reductions(s, texts["accumulating"])
-    close = run.reductions(s, texts["closing"], "unconditional")
-    rare = run.reductions(s, texts["closing"]) - close  # TrainStep's exact re-reduction
-    figure = f"{close} + {per_micro}×k reductions per update ({per_micro} per micro-step"
-    figure += f"; {rare} more if a device drops a window's last micro-batch)" if rare else ")"
-    text = texts["accumulating"] + texts["closing"]
-  figure += f", {run.gathers(text)} all-gathers"
-  return Check(name, "ok" if per_micro == 0 else "FAIL", figure, threshold)
-
-
-def _device_bytes(x: Any) -> int:
-  if isinstance(x, jax.Array) and x.addressable_shards:
-    return x.addressable_shards[0].data.nbytes
-  return int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-
-
-def _accumulator(out: run.Run) -> tuple[Check, int]:
-  name = "accumulator"
-  threshold = "dtype at least float32"
-  if out.accumulator is None:
-    return _na(name, "your own accumulator is not visible to the audit", threshold), 0
-  leaves = jax.tree.leaves(out.accumulator)
-  size = sum(_device_bytes(x) for x in leaves)
-  dtypes = sorted({jnp.dtype(x.dtype).name for x in leaves})
-  narrow = [d for d in dtypes if jnp.issubdtype(d, jnp.floating) and jnp.dtype(d).itemsize < 4]
-  figure = f"{size / 2**20:.3f} MiB per device, {'/'.join(dtypes)}"
-  return Check(name, "FAIL" if narrow else "ok", figure, threshold), size
-
-
-def _memory(s: run.Setup, front_end: Any, acc_bytes: int) -> Check:
-  name = "peak memory"
-  micro, large = run.peak_bytes(s, front_end)
-  if micro is None or large is None:
-    return _na(name, "this backend reports no memory analysis")
-  micro += 0 if front_end == "microbatch" or callable(front_end) else acc_bytes
-  figure = f"{micro / 2**20:.3f} MiB accumulated vs {large / 2**20:.3f} MiB large batch"
-  return Check(name, "info", f"{figure} ({micro / large:.2f}×)", "compiled peak")
+def _swapped(x: Any, heavy: int, light: int, k: int) -> Any:
+  """`x` with micro-batch `heavy`'s rows replaced by micro-batch `light`'s, placed as `x` (on
+  the host: a scatter into a sharded array needs an output sharding of its own)."""
+  y = np.array(x)
+  y[heavy::k] = y[light::k]
+  return jax.device_put(y, x.sharding) if isinstance(x, jax.Array) else y
 
 
 def _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name, accum_dtype,
-           num_updates) -> run.Setup:  # fmt: skip
-  arrays, static = _split_static(params)
+           reduction, num_updates, step, micro_step, opt_state) -> run.Setup:  # fmt: skip
+  arrays = run.arrays_of(params)
+  static = jax.tree.map(lambda a, p: p if a is None else None, arrays, params, is_leaf=_none)
+  full = lambda p: jax.tree.map(lambda a, s: a if s is None else s, p, static, is_leaf=_none)
   if rng is None:
-    loss = lambda p, b: loss_fn(_combine(p, static), b)
-    keyed = None
-  else:
-    loss = lambda p, b: loss_fn(_combine(p, static), b, None)
-    keyed = lambda p, b, key: loss_fn(_combine(p, static), b, key)
+    loss, keyed = (lambda p, b: loss_fn(full(p), b)), None
+  else:  # every draw zero bits: the numbers do not depend on which key the loop passes
+    fixed = keys.audit_key(jax.random.key(0), keys.RECORDING)
+    keyed = lambda p, b, key: loss_fn(full(p), b, key)
+    loss = lambda p, b: keyed(p, b, fixed)
   micro = run.strided(batch, k)
   weights = np.ones(k)
   if weight_fn is not None:
     weights = np.array([float(weight_fn(b)) for b in micro])
     if not np.all(np.isfinite(weights)) or np.any(weights < 0) or weights.sum() <= 0:
       raise ValueError(f"audit: weight_fn must give finite weights >= 0, not all 0; got {weights}.")
+  user_step = step if step is not None else micro_step
+  if user_step is not None and opt_state is None:
+    opt_state = optimizer.init(arrays)
   return run.Setup(
-    loss, keyed, arrays, batch, k, micro, weights, weight_fn, optimizer, wrap, mesh, axis_name,
-    accum_dtype, num_updates,
+    loss, keyed, arrays, static, batch, k, micro, weights, weight_fn, optimizer, wrap, mesh,
+    axis_name, accum_dtype, reduction, num_updates, rng, user_step, micro_step is not None,
+    opt_state,
   )  # fmt: skip
+
+
+def _none(x: Any) -> bool:
+  return x is None
+
+
+def _run(s: run.Setup, front_end: Any) -> run.Run:
+  if s.step is not None:
+    return _audit_step.run_step(s)
+  if front_end in (None, "microbatch"):
+    return run.run_in_step(s, None)
+  if callable(front_end):
+    return run.run_in_step(s, front_end)
+  if front_end == "data_parallel" and (s.axis_name is None or s.mesh is None):
+    raise ValueError("audit: front_end='data_parallel' needs mesh= and axis_name= (the data axis).")
+  return {"accumulate": run.run_accumulate, "TrainStep": run.run_train_step,
+          "data_parallel": run.run_data_parallel}[front_end](s)  # fmt: skip
 
 
 def audit(
@@ -346,98 +284,141 @@ def audit(
   batch: Any,
   k: int,
   *,
-  front_end: FrontEnd | Callable[..., Any] = "microbatch",
+  step: Callable[..., Any] | None = None,
+  micro_step: Callable[..., Any] | None = None,
+  front_end: FrontEnd | Callable[..., Any] | None = None,
   optimizer: optax.GradientTransformation | None = None,
+  opt_state: Any = None,
   weight_fn: Callable[[Any], Any] | None = None,
   rng: Any = None,
   wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None = None,
   mesh: Any = None,
   axis_name: Any = None,
   accum_dtype: Any = jnp.float32,
+  reduction: Literal["mean", "sum"] = "mean",
   num_updates: int = 3,
 ) -> AuditReport:
   """Checks gradient accumulation on your model against the large batch, before a long run.
 
-  Runs `batch` once as one large batch and once as `k` micro-batches through `front_end`
-  (micro-batch ``i`` holds rows ``i, i+k, …``, `microbatch`'s default split), and reports one
-  row per check, each with its verdict ("ok", "FAIL", "info" or "n/a: <reason>"), the measured
-  figure and the threshold (``TOL_UNITS · k · eps(dtype)`` of the gradients' dtype, at most
-  1e-2: float64 under ``jax.enable_x64``, then tight):
+  Runs `batch` once as one large batch and as `k` micro-batches through the loop under test
+  (micro-batch ``i`` holds rows ``i, i+k, …``, `microbatch`'s default split): your whole
+  training step (`step` or `micro_step`), your own in-step accumulation (`front_end` a
+  function) or one of this library's front ends. The large batch is the ground truth: every
+  update's gradient is compared with the large batch's at the parameters that update started
+  from; where they differ, the loop's gradient is fitted as ``Σ cᵢgᵢ`` over the micro-batches'
+  own gradients, and its coefficients say which row failed. One row per check, each with its
+  verdict ("ok", "FAIL", "info" or "n/a: <reason>"), the measured figure and the threshold
+  (``TOL_UNITS · k · eps`` of the gradients' dtype, at most 1e-2: float64 under
+  ``jax.enable_x64``, then tight):
 
-  * equivalence: the accumulated gradient against the large batch's, per leaf
+  * equivalence: each update's gradient against its own window's large batch, per leaf
     ``max|Δ| / max|large|``, the worst leaf named;
-  * first update (across-steps front ends, with `optimizer`): the update against the
-    optimizer applied once to the accumulated gradient;
-  * every micro-batch counted: the gradient equals ``Σ wᵢgᵢ / Σ wᵢ`` of the micro-batches'
-    own gradients (computed one by one), not the first's or the last's alone;
-  * weighting: your weights against the large batch, and what a mean of means would make;
-  * randomness (with `rng`): no two micro-batches saw the same key (a probe in the loss);
-  * schedule: the `num_updates`-th update, the same way (a schedule counting micro-steps
-    shows here);
-  * decomposable: whether the large batch's gradient is a weighted sum of the micro-batches'
-    at all; if not (BatchNorm, in-batch negatives), the rows above say "n/a", not FAIL;
-  * collectives (with `mesh` or `axis_name`): gradient reductions per update in the compiled
-    programs, FAIL when one runs per micro-batch;
+  * first update (with `optimizer`, where the loop applies it): the update against the optimizer
+    applied once to the loop's gradient;
+  * every micro-batch counted: each micro-batch is in the loop's gradient (not the first's or
+    the last's alone), no micro-batch of an earlier window is (an accumulator not zeroed), and
+    an update comes every `k` micro-batches (the window length is measured);
+  * weighting: the loop's weights of the micro-batches against the large batch's, with the
+    cause (a mean of means, a scale k× off); declared weights only feed the message;
+  * randomness (with `rng`): every micro-batch drew with keys of its own (the keys the loss
+    drew with are recorded, however the loop derived them);
+  * schedule: the `num_updates`-th update, the same way (a schedule counting micro-steps);
+  * decomposable: whether the large batch's gradient is a weighted sum of the micro-batches' at
+    all, with weights that follow the data; if not (BatchNorm, in-batch negatives, a max over
+    the batch), the rows above say "n/a", not FAIL;
+  * collectives (with `mesh` or `axis_name`): the elements reduced over the data axis per
+    update in the compiled programs, FAIL above one gradient's (a reduction per micro-batch,
+    even an exact one, or k of them combined into one collective);
   * accumulator (dtype and bytes per device; FAIL below float32) and peak memory.
 
   Args:
-    loss_fn: ``loss_fn(params, batch) -> scalar``, the loss of a batch (a mean, or a
-      token-weighted mean). With `rng`: ``loss_fn(params, batch, key)``, deterministic (no
-      dropout) when ``key`` is None, which the numeric checks use.
+    loss_fn: ``loss_fn(params, batch) -> scalar``, the loss of a batch (a mean, a
+      token-weighted mean, or with ``reduction="sum"`` a sum). With `rng`:
+      ``loss_fn(params, batch, key)``. The audit's keys split and fold in like JAX's, but every
+      draw is zero bits (a uniform is 0; dropout keeps every unit), so the numbers do not depend
+      on the keys and the numeric checks stay exact with dropout on.
     params: the parameters (a pytree; non-array leaves, as in an Equinox module, pass through).
     batch: one logical batch, a pytree whose leaves share the leading batch axis.
     k: the number of micro-batches, an int >= 2 dividing the batch size.
-    front_end: "microbatch", "accumulate" or "TrainStep" (this library's, run as a user would),
-      or your own in-step accumulation ``fn(loss_fn, params, batch, *keys) -> grads`` (it splits
-      the batch into `k` itself).
-    optimizer: the inner optimizer, for the update rows of the across-steps front ends (an
-      in-step front end leaves the optimizer to your step); None skips them.
-    weight_fn: ``weight_fn(micro_batch) -> scalar``, e.g. its count of real tokens.
-    rng: a PRNG key for the randomness check (see `loss_fn`).
+    step: your whole training step, ``step(params, opt_state, batch[, key]) -> (params,
+      opt_state, ...)``, as you jit it: one call takes the whole batch and makes one update (its
+      accumulation inside). Needs `optimizer`, the optimizer it applies, through which the
+      audit reads back the gradient it received (from its first moment, momentum or update);
+      `opt_state` defaults to ``optimizer.init(params)``.
+    micro_step: the same for a step your loop calls once per micro-batch (``optax.MultiSteps``,
+      `accumulate`, a `TrainStep`): the audit feeds it micro-batch after micro-batch and an
+      update is where the parameters change. Needs `optimizer` (the inner one) and `opt_state`
+      (the state your loop starts from, e.g. ``optax.MultiSteps(optimizer, k).init(params)``).
+    front_end: instead of a step, "microbatch" (the default), "accumulate", "TrainStep" or
+      "data_parallel" (``accumulate(axis_name=)`` in a step bound by `data_parallel`, as the
+      sharding guide writes it; needs `mesh` and `axis_name`), run as a user would; or your own
+      in-step accumulation ``fn(loss_fn, params, batch, *keys) -> grads`` (it splits the batch
+      into `k` itself; with `rng` it gets a key).
+    optimizer: the optimizer applied once per update: for `step`/`micro_step` the one your step
+      applies; for the across-steps front ends the inner one (the update rows); None skips the
+      update rows.
+    opt_state: with `step`/`micro_step`: your step's initial optimizer state.
+    weight_fn: ``weight_fn(micro_batch) -> scalar``, e.g. its count of real tokens: given to
+      the library's front ends; for your own loop, what you meant it to weigh (the message says
+      whether the loop does).
+    rng: a PRNG key for the randomness check: given to an in-step loop or step (each update);
+      for a loop that spans calls, the keys it passes: a sequence (one per call) or a function
+      of the call's index (``lambda i: jax.random.fold_in(key, i)``).
     wrap: with front_end="accumulate": your accumulating transformation as a function of the
       inner optimizer (default ``accumulate(inner, k)``); called with ``weight=`` when
       `weight_fn` is given.
     mesh, axis_name: the mesh and data axis, as the front ends take them.
-    accum_dtype: the library front ends' accumulation dtype.
-    num_updates: the updates run for the schedule row.
+    accum_dtype, reduction: the library front ends' accumulation dtype and reduction ("sum":
+      ``Σ wᵢgᵢ``, for a loss that sums over examples).
+    num_updates: the updates run (each compared with its own window's large batch).
 
   Returns:
     An `AuditReport`: ``print(report)`` shows the table, ``report.assert_ok()`` raises
-    `AssertionError` with it when a check failed.
+    `AssertionError` with it when a check failed, ``report[name]`` is one row.
 
   Raises:
     TypeError, ValueError: for a bad argument (named), before anything runs.
 
-  >>> import jax.numpy as jnp, optax, optax_accum
+  >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
   >>> batch = {"x": jnp.arange(24.0).reshape(8, 3) / 10, "y": jnp.arange(8.0)}
-  >>> report = optax_accum.audit(loss, jnp.ones(3), batch, 4, optimizer=optax.sgd(0.1))
-  >>> report.ok
+  >>> opt = optax.sgd(0.1)
+  >>> @jax.jit
+  ... def step(w, opt_state, batch):  # a mean of k = 4 micro-batch gradients
+  ...   grads = sum(jax.grad(loss)(w, jax.tree.map(lambda x: x[i::4], batch)) for i in range(4))
+  ...   updates, opt_state = opt.update(grads / 4, opt_state, w)
+  ...   return optax.apply_updates(w, updates), opt_state
+  >>> optax_accum.audit(loss, jnp.ones(3), batch, 4, step=step, optimizer=opt).ok
   True
   """
-  _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap)
+  _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap, reduction)
+  _check_step(step, micro_step, front_end, optimizer, opt_state)
+  _check_rng(rng)
   _batch_size(batch, k)
   s = _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name,
-             accum_dtype, num_updates)  # fmt: skip
-  ref = _Reference(s)
-  if callable(front_end):
-    out = run.run_custom(s, front_end)
-  else:
-    out = {"microbatch": run.run_microbatch, "accumulate": run.run_accumulate,
-           "TrainStep": run.run_train_step}[front_end](s)  # fmt: skip
-  accumulator, acc_bytes = _accumulator(out)
-  first, last = _updates(s, ref, out)
-  checks = (
-    _equivalence(ref, out),
+             accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip
+  ref = Reference(s)
+  draws = None
+  with keys.recording() as recorded:
+    out = _run(s, front_end)
+  if s.keyed is not None and not (front_end == "TrainStep" and not run.train_step_passes_keys(s)):
+    draws = recorded
+  accumulator, acc_bytes = checks.accumulator(out)
+  first, last = checks.updates(s, ref, out)
+  in_step = not out.across and s.step is None
+  rows = (
+    checks.equivalence(ref, out),
     first,
-    _counted(ref, out),
-    _weighting(ref, weight_fn is not None),
-    _randomness(s, front_end, rng),
+    checks.counted(s, ref, out),
+    checks.weighting(s, ref, out),
+    checks.randomness(s, ref, draws, out),
     last,
-    _decomposable(ref),
-    _collectives(s, front_end),
+    checks.decomposable(ref),
+    collectives.check(s, None if out.programs is None else out.programs(), _IN_STEP_NOTE),
     accumulator,
-    _memory(s, front_end, acc_bytes),
+    checks.memory(s, in_step, acc_bytes),
   )
-  name = front_end if isinstance(front_end, str) else getattr(front_end, "__name__", "custom")
-  return AuditReport(name, k, checks)
+  user = s.step if s.step is not None else front_end
+  name = user if isinstance(user, str) else getattr(user, "__name__", None)
+  name = name or ("microbatch" if user is None else type(user).__name__)
+  return AuditReport(name, k, rows)

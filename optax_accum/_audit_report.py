@@ -81,8 +81,9 @@ class AuditReport:
     p.text(str(self))
 
 
-def leaf_rel_diffs(got: Any, want: Any) -> list[tuple[str, float]]:
-  """Per leaf ``max|got - want| / max|want|`` (float64, on the host), with the leaf's path.
+def leaf_rel_diffs(got: Any, want: Any, slack: Any = None) -> list[tuple[str, float]]:
+  """Per leaf ``max|got - want| / max|want|`` (float64, on the host), with the leaf's path;
+  with `slack` (a tree like `want`), each entry's difference less its allowance (at least 0).
 
   Relative to the leaf's largest entry rather than entry by entry: an entry near zero would
   turn rounding into an arbitrarily large ratio.
@@ -93,11 +94,12 @@ def leaf_rel_diffs(got: Any, want: Any) -> list[tuple[str, float]]:
     raise ValueError(
       f"audit: the accumulated tree has {len(got_leaves)} leaves, the large batch's {len(flat)}."
     )
+  slacks = [0.0] * len(flat) if slack is None else jax.tree.leaves(slack)
   out = []
-  for (path, w), g in zip(flat, got_leaves, strict=True):
+  for (path, w), g, a in zip(flat, got_leaves, slacks, strict=True):
     w, g = np.asarray(w, np.float64), np.asarray(g, np.float64)
     scale = np.max(np.abs(w)) if w.size else 0.0
-    err = np.max(np.abs(g - w)) if w.size else 0.0
+    err = np.max(np.maximum(np.abs(g - w) - a, 0.0)) if w.size else 0.0
     rel = err / scale if scale > 0 else (0.0 if err == 0 else np.inf)
     out.append((jax.tree_util.keystr(path) or "<root>", float(rel)))
   return out
@@ -132,6 +134,13 @@ def fmt(x: float) -> str:
   return f"{x:.1e}"
 
 
+def coefficient(v: float) -> str:
+  """One coefficient to three significant digits (a clip factor of 0.0042 is not 0.00)."""
+  return "0" if v == 0 else f"{v:.3g}"
+
+
 def coefficients(c: np.ndarray) -> str:
-  shown = ", ".join(f"{v:.2f}" for v in c[:8])
+  """The first 8 coefficients; those below 1e-9 of the largest (a fit's rounding) as 0."""
+  top = float(np.max(np.abs(c), initial=0.0))
+  shown = ", ".join(coefficient(float(v) if abs(v) > 1e-9 * top else 0.0) for v in c[:8])
   return f"[{shown}{', …' if len(c) > 8 else ''}]"

@@ -1,14 +1,17 @@
-"""The audit's runs: the accumulated gradient, and the first updates of the across-steps front ends.
+"""The audit's runs: the loop under test, window by window, as a user would run it.
 
-Every run uses the public front ends as a user would, on the same strided micro-batches
+Every run uses the public front ends (or the user's own loop) on the same strided micro-batches
 (micro-batch ``i`` holds rows ``i, i+k, …``, `microbatch`'s default split): what is measured is
-the library's behaviour on the user's model, not a re-implementation of it.
+the behaviour of the loop on the user's model, not a re-implementation of it. A run returns one
+`Window` per update: the parameters it started from, the gradient the optimizer received and
+the update it made. Across steps (`accumulate`, `TrainStep`, `data_parallel`, a transformation
+of the user's, a micro-step of the user's) the loop is fed micro-batch after micro-batch and an
+update is where the parameters change, so a window's length is measured, not assumed.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -17,35 +20,38 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _hlo
+from optax_accum import _audit_keys as keys
 from optax_accum._accumulate import AccumulateState, accumulate, holds_sums
+from optax_accum._data_parallel import data_parallel
 from optax_accum._microbatch import microbatch
+from optax_accum._sharding import state_partition_specs
 from optax_accum._train_step import TrainStep
-
-# Collectives whose result holds fewer bytes than this are scalars (loss, weight, finite flags)
-# and are not counted as gradient reductions.
-GRAD_MIN_BYTES = 32
-REDUCTIONS = ("all-reduce", "reduce-scatter")
 
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
   """What every run shares, resolved once by `optax_accum.audit`."""
 
-  loss: Callable[..., Any]  # loss(params, batch), deterministic (key None), params arrays only
-  keyed_loss: Callable[..., Any] | None  # loss(params, batch, key) when `rng` was given
+  loss: Callable[..., Any]  # loss(params, batch) on the array leaves, draws from `CONSTANT`
+  keyed: Callable[..., Any] | None  # keyed(params, batch, key) when `rng` was given
   params: Any  # the array leaves of the user's parameters (non-arrays as None)
+  static: Any  # the other leaves (arrays as None)
   batch: Any
   k: int
   micro: tuple[Any, ...]  # the k strided micro-batches
-  weights: np.ndarray  # (k,) the user's weight of each micro-batch (ones without weight_fn)
+  weights: np.ndarray  # (k,) the declared weight of each micro-batch (ones without weight_fn)
   weight_fn: Callable[[Any], Any] | None
   optimizer: optax.GradientTransformation | None
   wrap: Callable[[optax.GradientTransformation], optax.GradientTransformation] | None
   mesh: Any
   axis_name: Any
   accum_dtype: Any
+  reduction: str
   num_updates: int
+  rng: Any  # None, one key, a sequence of keys or a function of the call's index
+  step: Callable[..., Any] | None  # the user's whole step
+  per_micro_batch: bool  # whether `step` takes one micro-batch per call (else the batch)
+  opt_state: Any  # the initial state of `step`'s optimizer
   # Compiled programs by name, each compiled once and used for its runs and its memory and
   # collectives (`jax.jit(f).lower(...).compile()` does not share `jax.jit(f)`'s cache).
   compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -56,26 +62,67 @@ class Setup:
       self.compiled[name] = jax.jit(fun).lower(*args).compile()
     return self.compiled[name]
 
-  def grad(self, batch: Any) -> Any:
+  def grad(self, params: Any, batch: Any) -> Any:
     """The gradient of the loss on `batch` (the large batch or one micro-batch)."""
-    name = "large" if batch is self.batch else "micro"
-    return self.aot(name, jax.grad(self.loss), self.params, batch)(self.params, batch)
+    name = (
+      "large"
+      if jax.tree.leaves(batch)[0].shape == jax.tree.leaves(self.batch)[0].shape
+      else "micro"
+    )
+    return self.aot(name, jax.grad(self.loss), params, batch)(params, batch)
+
+  def full(self, arrays: Any) -> Any:
+    """The user's parameters from their array leaves (non-array leaves put back)."""
+    return jax.tree.map(lambda a, s: a if s is None else s, arrays, self.static, is_leaf=_none)
+
+  def key(self, i: int) -> Any:
+    """The recording key standing for the key the user's loop passes on call `i`."""
+    if callable(self.rng):
+      user = self.rng(i)
+    elif keys.is_key(self.rng):
+      user = self.rng
+    else:
+      user = self.rng[i]
+    return keys.audit_key(user, keys.RECORDING)
+
+  @property
+  def keys_known(self) -> bool:
+    """Whether `rng` says which key the loop passes on each call (not one key for all)."""
+    return self.rng is not None and not keys.is_key(self.rng)
 
 
-class Run(NamedTuple):
-  """What one front end produced."""
+def _none(x: Any) -> bool:
+  return x is None
 
-  grads: Any  # the accumulated gradient at the initial parameters
-  windows: list[Window] | None  # the first `num_updates` updates (None without an optimizer)
-  accumulator: Any  # the accumulator's arrays (or their shapes), None where not visible
+
+def arrays_of(tree: Any) -> Any:
+  """The array leaves of a tree (others None), as `eqx.filter(tree, eqx.is_array)`."""
+  is_array = lambda x: isinstance(x, (jax.Array, np.ndarray, np.generic))
+  return jax.tree.map(lambda x: x if is_array(x) else None, tree)
 
 
 class Window(NamedTuple):
-  """One update of an across-steps front end, as the inner optimizer saw it."""
+  """One update of the loop under test."""
 
-  params: Any  # the parameters the update was computed at
-  grads: Any  # the gradient the inner optimizer received
-  updates: Any  # the update it returned
+  params: Any  # the parameters the window started from (array leaves)
+  grads: Any  # the gradient the optimizer received (None where not visible)
+  updates: Any  # the update it made (None where not visible)
+  calls: int  # the calls of the loop that made it (k for an in-step loop)
+  grad_slack: float = 0.0  # relative error of `grads` where read back (a whole step)
+  rounded: bool = False  # `updates` is ``params_after - params`` (one rounding of the params)
+  read_from: str = ""  # where `grads` was read back from (a whole step), e.g. "the update"
+
+
+class Run(NamedTuple):
+  """What one loop produced: its windows, its accumulator, and why something is not visible."""
+
+  windows: list[Window]
+  accumulator: Any  # the accumulator's arrays (or their shapes), None where not visible
+  across: bool  # the loop spans calls (the window length is measured)
+  note: str = ""  # why the windows carry no gradient or update, where they do not
+  # The loop's compiled programs, ``[(kind, hlo_text)]`` (kinds as `_audit_collectives` reads
+  # them), made on demand: a function of nothing, or None where the audit cannot see them.
+  programs: Callable[[], list[tuple[str, str]]] | None = None
 
 
 def strided(batch: Any, k: int) -> tuple[Any, ...]:
@@ -88,31 +135,41 @@ def strided(batch: Any, k: int) -> tuple[Any, ...]:
   return jax.jit(cut)(batch)
 
 
-def _microbatch_fn(s: Setup) -> Callable[..., Any]:
-  weight_fn = None if s.weight_fn is None else (lambda p, b: s.weight_fn(b))
-  kw = dict(weight_fn=weight_fn, accum_dtype=s.accum_dtype, axis_name=s.axis_name, mesh=s.mesh)
-  return s.aot("step", microbatch(jax.grad(s.loss), s.k, **kw), s.params, s.batch)
+# ----------------------------------------------------------------------------------------------
+# In one step: `microbatch`, or the user's accumulation ``fn(loss_fn, params, batch, *keys)``.
 
 
-def run_microbatch(s: Setup) -> Run:
-  f = _microbatch_fn(s)
-  grads = f(s.params, s.batch)
-  acc = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, _acc_dtype(s, g.dtype)), grads)
-  return Run(grads, None, acc)
+def _in_step_args(s: Setup) -> tuple[Any, ...]:
+  return (s.params, s.batch) if s.keyed is None else (s.params, s.batch, s.key(0))
 
 
-def _custom_fn(s: Setup, fn: Callable[..., Any]) -> Callable[..., Any]:
-  """The user's accumulation; with keys, given the keyed loss and the key None (no dropout)."""
-  if s.keyed_loss is None:
-    call = lambda p, b: fn(s.loss, p, b)
+def _microbatch_fn(s: Setup) -> Any:
+  kw = dict(accum_dtype=s.accum_dtype, axis_name=s.axis_name, mesh=s.mesh, reduction=s.reduction)
+  if s.keyed is None:
+    wf = None if s.weight_fn is None else (lambda p, b: s.weight_fn(b))
+    f = microbatch(jax.grad(s.loss), s.k, weight_fn=wf, **kw)
   else:
-    call = lambda p, b: fn(s.keyed_loss, p, b, None)
-  return s.aot("step", call, s.params, s.batch)
+    wf = None if s.weight_fn is None else (lambda p, b, key: s.weight_fn(b))
+    f = microbatch(jax.grad(s.keyed), s.k, weight_fn=wf, rng_argnums=2, **kw)
+  return s.aot("step", f, *_in_step_args(s))
 
 
-def run_custom(s: Setup, fn: Callable[..., Any]) -> Run:
-  f = _custom_fn(s, fn)
-  return Run(f(s.params, s.batch), None, None)
+def _custom_fn(s: Setup, fn: Callable[..., Any]) -> Any:
+  if s.keyed is None:
+    call = lambda p, b: fn(s.loss, p, b)
+  else:  # a real key, which the loop may split or fold into (its draws are all zero bits)
+    call = lambda p, b, key: fn(s.keyed, p, b, key)
+  return s.aot("step", call, *_in_step_args(s))
+
+
+def run_in_step(s: Setup, fn: Callable[..., Any] | None) -> Run:
+  f = _microbatch_fn(s) if fn is None else _custom_fn(s, fn)
+  grads = f(*_in_step_args(s))
+  acc = None
+  if fn is None:
+    acc = jax.tree.map(lambda g: jax.ShapeDtypeStruct(g.shape, _acc_dtype(s, g.dtype)), grads)
+  programs = lambda: [("update", f.as_text())]
+  return Run([Window(s.params, grads, None, s.k)], acc, across=False, programs=programs)
 
 
 def _acc_dtype(s: Setup, dtype: Any) -> Any:
@@ -120,18 +177,72 @@ def _acc_dtype(s: Setup, dtype: Any) -> Any:
   return dtype if s.accum_dtype is None else jnp.promote_types(s.accum_dtype, dtype)
 
 
-def _make_tx(s: Setup, inner: optax.GradientTransformation) -> optax.GradientTransformation:
-  if s.wrap is not None:
-    return s.wrap(inner)
-  return accumulate(inner, s.k, accum_dtype=s.accum_dtype)
+# ----------------------------------------------------------------------------------------------
+# Across steps: the loop fed one micro-batch per call; an update is where the parameters move.
+
+
+class Emission(NamedTuple):
+  """One update of a loop that spans calls: around the call that made it."""
+
+  start: Any  # the parameters the window started from
+  before: Any  # the state before the updating call
+  after: Any  # the state after it
+  params: Any  # the parameters after it
+  calls: int
+
+
+def moved(new: Any, old: Any) -> bool:
+  return any(
+    not np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+  )
+
+
+def drive(
+  s: Setup, call: Callable[..., Any], params: Any, state: Any, updated: Callable[..., bool]
+) -> list[Emission]:
+  """`s.num_updates` updates of ``call(params, state, i) -> (params, state)`` (call `i` takes
+  micro-batch ``i % k``), each ending at the call for which ``updated(state_before,
+  state_after, params_before, params_after)``; stops early where 2k calls make none."""
+  out, i = [], 0
+  for _ in range(s.num_updates):
+    start, calls = params, 0
+    while True:
+      before = state
+      new, state = call(params, state, i)
+      i, calls = i + 1, calls + 1
+      done = updated(before, state, params, new)
+      if done or calls >= 2 * s.k:
+        break
+    if not done:
+      return out
+    out.append(Emission(start, before, state, new, calls))
+    params = new
+  return out
+
+
+def tap_updated(before: Any, after: Any, params: Any, new: Any) -> bool:
+  """An update: the tapped optimizer ran on a gradient that is not all zeros (a wrapper that
+  steps it with zeros between updates, as Keras 3 does, is not updating), whether or not the
+  parameters moved (a learning rate of 0 at the start of a warm-up)."""
+  was, now = tapped(before), tapped(after)
+  if int(now.calls) == int(was.calls):
+    return False
+  return any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(now.grads))
+
+
+def _weight(s: Setup, i: int) -> Any:
+  return None if s.weight_fn is None else jnp.asarray(s.weights[i % s.k], jnp.float32)
 
 
 class Tapped(NamedTuple):
-  """The state of `tap`: the inner state, and the inner optimizer's last input and output."""
+  """The state of `tap`: the inner state, the inner optimizer's last input and output, and how
+  many times it ran."""
 
   inner_state: Any
   grads: Any
   updates: Any
+  calls: jax.Array  # shape=(), dtype=jnp.int32
 
 
 def tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -141,11 +252,11 @@ def tap(inner: optax.GradientTransformation) -> optax.GradientTransformationExtr
 
   def init_fn(params):
     zeros = optax.tree.zeros_like(params)
-    return Tapped(inner.init(params), zeros, zeros)
+    return Tapped(inner.init(params), zeros, zeros, jnp.zeros((), jnp.int32))
 
   def update_fn(updates, state, params=None, **extra):
     out, inner_state = inner.update(updates, state.inner_state, params, **extra)
-    return out, Tapped(inner_state, updates, out)
+    return out, Tapped(inner_state, updates, out, optax.safe_increment(state.calls))
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -158,33 +269,52 @@ def tapped(state: Any) -> Tapped:
   return found[0]
 
 
-def _drive(s: Setup, tx: optax.GradientTransformation, windows: int) -> tuple[list[Window], Any]:
-  """`windows` windows of k micro-steps through ``tx`` (which wraps a `tap`): each window's
-  parameters, and the gradient and update of its k-th micro-step; the last state."""
+def inner_optimizer(s: Setup) -> optax.GradientTransformation:
+  """The optimizer the loop applies once per update: the user's, else a small SGD step (the
+  parameters must move for an update to be seen, and later windows start elsewhere)."""
+  return s.optimizer if s.optimizer is not None else optax.sgd(0.01)
 
-  def micro_step(params, state, batch, weight):
+
+def _tapped_windows(s: Setup, emissions: list[Emission]) -> list[Window]:
+  return [
+    Window(e.start, tapped(e.after).grads, tapped(e.after).updates, e.calls) for e in emissions
+  ]
+
+
+def _make_tx(s: Setup, inner: optax.GradientTransformation, **kw: Any) -> Any:
+  if s.wrap is not None:
+    tx = s.wrap(inner)
+    if not isinstance(tx, (optax.GradientTransformation, optax.GradientTransformationExtraArgs)):
+      raise TypeError(
+        f"audit: wrap(inner) must return an optax GradientTransformation, got {tx!r}."
+      )
+    return tx
+  return accumulate(inner, s.k, accum_dtype=s.accum_dtype, reduction=s.reduction, **kw)
+
+
+def accumulate_step(s: Setup, tx: Any) -> Callable[..., Any]:
+  """A user's jitted micro-step with `tx`: grad → update (with the weight) → apply."""
+
+  def micro_step(params, state, batch, weight, *key):
+    grads = jax.grad(s.loss if not key else s.keyed)(params, batch, *key)
     kw = {} if weight is None else {"weight": weight}
-    return tx.update(jax.grad(s.loss)(params, batch), state, params, **kw)
+    updates, state = tx.update(grads, state, params, **kw)
+    return optax.apply_updates(params, updates), state
 
-  step = jax.jit(micro_step)
-  params, state, out = s.params, tx.init(s.params), []
-  for _ in range(windows):
-    start = params
-    for i, batch in enumerate(s.micro):
-      w = None if s.weight_fn is None else jnp.asarray(s.weights[i], jnp.float32)
-      u, state = step(params, state, batch, w)
-      params = optax.apply_updates(params, u)
-    out.append(Window(start, tapped(state).grads, u))
-  return out, state
+  return jax.jit(micro_step)
 
 
 def run_accumulate(s: Setup) -> Run:
-  (window,), state = _drive(s, _make_tx(s, tap(optax.identity())), 1)
-  windows = None
-  if s.optimizer is not None:
-    windows, _ = _drive(s, _make_tx(s, tap(s.optimizer)), s.num_updates)
-  acc = _accumulator(state)
-  return Run(window.updates, windows, acc)
+  tx = _make_tx(s, tap(inner_optimizer(s)))
+  step = accumulate_step(s, tx)
+  extra = lambda i: () if s.keyed is None else (s.key(i),)
+  call = lambda p, st, i: step(p, st, s.micro[i % s.k], _weight(s, i), *extra(i))
+  state0 = tx.init(s.params)
+  emissions = drive(s, call, s.params, state0, tap_updated)
+  state = emissions[0].after if emissions else None
+  args = (s.params, state0, s.micro[0], _weight(s, 0), *extra(0))
+  programs = lambda: [("micro", step.lower(*args).compile().as_text())]
+  return Run(_tapped_windows(s, emissions), _accumulator(state), True, programs=programs)
 
 
 def _accumulator(state: Any) -> Any:
@@ -195,111 +325,82 @@ def _accumulator(state: Any) -> Any:
 
 
 def train_step(s: Setup, inner: optax.GradientTransformation) -> TrainStep:
-  weight_fn = None if s.weight_fn is None else (lambda b: s.weight_fn(b))
+  """`TrainStep` as a user builds it; the loss takes the key where it can be passed (not with
+  `axis_name`, where every argument is split over the devices)."""
+  keyed = s.keyed is not None and s.axis_name is None
+  weight_fn = None if s.weight_fn is None else (lambda b, *key: s.weight_fn(b))
   return TrainStep(
-    s.loss, tap(inner), s.k, donate=False, weight_fn=weight_fn, accum_dtype=s.accum_dtype,
-    axis_name=s.axis_name, mesh=s.mesh,
+    s.keyed if keyed else s.loss, tap(inner), s.k, donate=False, weight_fn=weight_fn,
+    accum_dtype=s.accum_dtype, reduction=s.reduction, axis_name=s.axis_name, mesh=s.mesh,
   )  # fmt: skip
 
 
-def _windows(s: Setup, step: TrainStep, windows: int) -> tuple[list[Window], Any]:
-  params, state, out = s.params, step.init(s.params), []
-  for _ in range(windows):
-    start = params
-    for batch in s.micro:
-      params, state, _ = step(params, state, batch)
-    out.append(Window(start, state.inner_state.grads, state.inner_state.updates))
-  return out, state
+def train_step_passes_keys(s: Setup) -> bool:
+  return s.keyed is not None and s.axis_name is None
 
 
 def run_train_step(s: Setup) -> Run:
-  (window,), state = _windows(s, train_step(s, optax.identity()), 1)
-  windows = None
-  if s.optimizer is not None:
-    windows, _ = _windows(s, train_step(s, s.optimizer), s.num_updates)
-  return Run(window.updates, windows, _accumulator(state))
+  step = train_step(s, inner_optimizer(s))
+  extra = lambda i: (s.key(i),) if train_step_passes_keys(s) else ()
+  call = lambda p, st, i: step(p, st, s.micro[i % s.k], *extra(i))[:2]
+  state0 = step.init(s.params)
+  emissions = drive(s, call, s.params, state0, tap_updated)
+  state = emissions[0].after if emissions else None
+
+  def programs():
+    lower = lambda emit: step.lower(s.params, state0, s.micro[0], *extra(0), emit=emit)
+    return [
+      ("micro", lower(False).compile().as_text()),
+      ("closing", lower(True).compile().as_text()),
+    ]
+
+  return Run(_tapped_windows(s, emissions), _accumulator(state), True, programs=programs)
 
 
-def _groups(rest: str) -> list[list[int]] | None:
-  """The replica groups of one collective (its HLO line after the opcode), in the explicit or
-  the iota spelling; None for any other spelling (then the op is counted as a gradient one)."""
-  m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", rest)
-  if m:
-    return [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
-  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", rest)
-  if not m:
-    return None
-  dims = [int(d) for d in m.group(3).split(",")]
-  ids = np.arange(int(np.prod(dims))).reshape(dims)
-  if m.group(4):
-    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
-  return ids.reshape(int(m.group(1)), int(m.group(2))).tolist()
+# ----------------------------------------------------------------------------------------------
+# `data_parallel`: the user's micro-step with `accumulate(axis_name=...)`, bound over the axis.
 
 
-def _crosses(groups: list[list[int]] | None, mesh: Any, axis: Any) -> bool:
-  """Whether a collective with these groups reduces across the data axis of `mesh` (device
-  ids are positions in ``mesh.devices.flat``, the programs' device assignment)."""
-  if groups is None or mesh is None or axis not in mesh.axis_names:
-    return True
-  dim = mesh.axis_names.index(axis)
-  coord = lambda d: np.unravel_index(d, mesh.devices.shape)[dim]
-  return any(len({coord(d) for d in g}) > 1 for g in groups)
+def data_parallel_step(s: Setup, tx: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+  """The guide's recipe: per-device gradients (`pcast`), `accumulate` reducing once per update,
+  `data_parallel` binding the axis under `jax.jit`; its jitted init and micro-step."""
+  a = s.axis_name
+  params_sh = jax.tree.map(lambda x: getattr(x, "sharding", None), s.params)
+  state_sh = state_partition_specs(tx, params_sh, a)
+  init = jax.jit(data_parallel(tx.init, a, mesh=s.mesh), out_shardings=state_sh)
+
+  def micro_step(params, state, batch, *key):
+    local = jax.lax.pcast(params, a, to="varying")  # per-device gradients
+    grads = jax.grad(s.loss if not key else s.keyed)(local, batch, *key)
+    kw = {} if s.weight_fn is None else {"weight": s.weight_fn(batch)}
+    updates, state = tx.update(grads, state, params, **kw)
+    return optax.apply_updates(params, updates), state
+
+  bound = data_parallel(micro_step, a, batch_argnums=2, mesh=s.mesh)
+  return init, jax.jit(bound, out_shardings=(params_sh, state_sh))
 
 
-def data_axis(s: Setup) -> Any:
-  """The data axis: `axis_name`, else the mesh axis the batch's rows are sharded over, else
-  the mesh's first axis."""
-  if s.axis_name is not None or s.mesh is None:
-    return s.axis_name
-  spec = getattr(getattr(jax.tree.leaves(s.batch)[0], "sharding", None), "spec", None)
-  return spec[0] if spec and isinstance(spec[0], str) else s.mesh.axis_names[0]
+def run_data_parallel(s: Setup) -> Run:
+  tx = accumulate(
+    tap(inner_optimizer(s)), s.k, accum_dtype=s.accum_dtype, reduction=s.reduction,
+    axis_name=s.axis_name,
+  )  # fmt: skip
+  init, step = data_parallel_step(s, tx)
+  extra = lambda i: () if s.keyed is None else (s.key(i),)
+  call = lambda p, st, i: step(p, st, s.micro[i % s.k], *extra(i))
+  state0 = init(s.params)
+  emissions = drive(s, call, s.params, state0, tap_updated)
+  state = emissions[0].after if emissions else None
+  args = (s.params, state0, s.micro[0], *extra(0))
+  programs = lambda: [("micro", step.lower(*args).compile().as_text())]
+  return Run(_tapped_windows(s, emissions), _accumulator(state), True, programs=programs)
 
 
-def reductions(s: Setup, text: str, where: str = "all") -> int:
-  """Gradient reductions of a compiled program: all-reduces and reduce-scatters of at least
-  `GRAD_MIN_BYTES` across the data axis (a model axis's reductions of activations are not
-  counted); ``where="loop"``: only those inside a while loop; ``"unconditional"``: not those
-  in a conditional's branches (run only when taken)."""
-  comps, entry = _hlo.computations(text)
-  roots = [entry]
-  if where == "loop":
-    roots = [c for ops in comps.values() for i in ops if i.op == "while" for c in _hlo.callees(i)]
-  placed = _hlo.placements(comps, entry)[0] if where == "unconditional" else {}
-  axis = data_axis(s)
-  return sum(
-    _hlo.shape_bytes(i.shape) >= GRAD_MIN_BYTES and _crosses(_groups(i.rest), s.mesh, axis)
-    for c in _hlo.reachable(comps, roots)
-    if placed.get(c) != "cond"
-    for i in comps[c]
-    if i.op in REDUCTIONS or i.op.removesuffix("-start") in REDUCTIONS and i.op.endswith("-start")
-  )
+def peak_bytes(s: Setup, program: str) -> tuple[int | None, int | None]:
+  """Compiled peak bytes of the accumulated step (`program`, or one micro-step's gradient) and
+  of the large batch's gradient."""
+  from optax_accum import _hlo
 
-
-def gathers(text: str) -> int:
-  return _hlo.count_collectives(text, "all-gather", min_bytes=GRAD_MIN_BYTES)
-
-
-def programs(s: Setup, front_end: Any) -> dict[str, str] | None:
-  """The compiled programs' HLO text: ``{"step": …}`` for an in-step front end (its loop is
-  the micro-batch loop), ``{"accumulating": …, "closing": …}`` for `TrainStep`; None for
-  `accumulate`, whose step is the user's own program."""
-  if front_end == "microbatch":
-    return {"step": _microbatch_fn(s).as_text()}
-  if callable(front_end):
-    return {"step": _custom_fn(s, front_end).as_text()}
-  if front_end == "TrainStep":
-    step = train_step(s, s.optimizer or optax.identity())
-    state = step.init(s.params)
-    return {
-      "accumulating": step.lower(s.params, state, s.micro[0], emit=False).compile().as_text(),
-      "closing": step.lower(s.params, state, s.micro[0], emit=True).compile().as_text(),
-    }
-  return None
-
-
-def peak_bytes(s: Setup, front_end: Any) -> tuple[int | None, int | None]:
-  """Compiled peak bytes of the accumulated step (the in-step program, or one micro-step's
-  gradient for the across-steps front ends) and of the large batch's gradient."""
-  s.grad(s.batch), s.grad(s.micro[0])  # compiled here if not yet
-  name = "step" if front_end == "microbatch" or callable(front_end) else "micro"
+  s.grad(s.params, s.batch), s.grad(s.params, s.micro[0])  # compiled here if not yet
+  name = program if program in s.compiled else "micro"
   return _hlo.memory(s.compiled[name]).get("peak"), _hlo.memory(s.compiled["large"]).get("peak")

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import jax
+import numpy as np
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -390,3 +391,112 @@ def compile_fn(
   seconds = time.perf_counter() - t0
   text = compiled.as_text()
   return Compiled(compiled, seconds, memory(compiled), hlo_stats(text), text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Collective traffic: each collective with how often it runs and the groups it spans.
+
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+
+
+class CollectiveOp(NamedTuple):
+  """One collective of a compiled program, placed by how often it runs."""
+
+  op: str  # the opcode without "-start", e.g. "all-reduce"
+  placement: str  # "step", "loop" or "cond", as `placements` gives it
+  conditionals: int  # the conditionals around it (0: it runs whenever its loop does)
+  repeats: int | None  # runs per call: the product of the enclosing loops' trip counts (1
+  # outside loops; None where a loop's trip count is not known)
+  result_bytes: int  # bytes of its result (a combined collective: all of its operands)
+  input_bytes: int  # bytes it reads per device: the result's, times the group for a
+  # reduce-scatter (which returns 1/group of what it reduces)
+  input_elements: int  # elements it reads per device (as `input_bytes`)
+  groups: list[list[int]] | None  # replica groups (device ids), None if not given or not parsed
+
+
+def replica_groups(rest: str) -> list[list[int]] | None:
+  """The replica groups of one collective (its HLO line after the opcode), in the explicit
+  (``{{0,1},{2,3}}``) or the iota (``[2,2]<=[4]``, ``[2,2]<=[2,2]T(1,0)``) spelling; None for
+  any other spelling or none."""
+  m = _EXPLICIT_GROUPS.search(rest)
+  if m:
+    return [list(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", m.group(1))]
+  m = _IOTA_GROUPS.search(rest)
+  if not m:
+    return None
+  dims = [int(d) for d in m.group(3).split(",")]
+  total = int(np.prod(dims))
+  ids = np.arange(total).reshape(dims)
+  if m.group(4):  # a transposed iota: device ids laid out in `dims`, axes permuted
+    ids = ids.transpose([int(d) for d in m.group(4).split(",")])
+  ids = ids.reshape(-1).tolist()
+  rows, cols = int(m.group(1)), int(m.group(2))
+  return [ids[r * cols : (r + 1) * cols] for r in range(rows)]
+
+
+def _runs(comps: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int | None, int]]:
+  """For each computation reachable from `entry`: its runs per call (the product of the trip
+  counts of the loops around it, None where one is unknown) and the number of conditionals
+  around it (their branches run only when taken). A computation reached several ways keeps
+  the most runs and the fewest conditionals."""
+  out: dict[str, tuple[int | None, int]] = {}
+  todo: list[tuple[str, int | None, int]] = [(entry, 1, 0)]
+  while todo:
+    name, n, conds = todo.pop()
+    if name not in comps:
+      continue
+    if name in out:
+      m, c = out[name]
+      if (m is None or (n is not None and m >= n)) and c <= conds:
+        continue
+      n = None if m is None or n is None else max(m, n)
+      conds = min(c, conds)
+    out[name] = (n, conds)
+    for instr in comps[name]:
+      inner, depth = n, conds
+      if instr.op == "while":
+        trip = _TRIP_COUNT.search(instr.rest)
+        inner = None if n is None or trip is None else n * int(trip.group(1))
+      elif instr.op == "conditional":
+        depth += 1
+      todo += [(c, inner, depth) for c in callees(instr)]
+  return out
+
+
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+  """Every collective of a compiled program (an async pair once), with its placement, its runs
+  per call and its bytes: what `count_collectives` counts, with the traffic it moves.
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> from optax_accum import _hlo
+  >>> _hlo.collective_ops(jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text())
+  []
+  """
+  comps, entry = computations(hlo_text)
+  if entry is None:
+    return []
+  placement, _ = placements(comps, entry)
+  runs = _runs(comps, entry)
+  found = []
+  for comp, instrs in comps.items():
+    if comp not in runs:
+      continue
+    for i in instrs:
+      base = i.op.removesuffix("-start")
+      if base not in COLLECTIVES or i.op.endswith("-done"):
+        continue
+      groups = replica_groups(i.rest)
+      parts = _SHAPE.findall(i.shape)
+      if i.op == "all-gather-start":  # its shape is (operand, result)
+        parts = parts[1:]
+      size = sum(shape_bytes(f"{t}[{d}]") for t, d in parts)
+      elements = sum(int(np.prod([int(x) for x in d.split(",") if x])) for _, d in parts)
+      scale = max(len(g) for g in groups) if base == "reduce-scatter" and groups else 1
+      where = placement.get(comp, "step")
+      n, conds = runs[comp]
+      found.append(
+        CollectiveOp(base, where, conds, n, size, size * scale, elements * scale, groups)
+      )
+  return found

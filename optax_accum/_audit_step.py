@@ -1,0 +1,231 @@
+"""The audit of a user's whole training step: ``step(params, opt_state, batch[, key])``.
+
+The step is the user's code, optimizer included: the audit sees what it returns, the new
+parameters and optimizer state, not the gradient its optimizer received. It reads that gradient
+back through the optimizer (`read_back`): the optimizer is given (it is the user's, applied once
+per update), so its update and each gradient-shaped leaf of its new state are functions of the
+gradient the audit can evaluate. Where one of them is elementwise affine in the gradient (Adam's
+and Lion's first moment, a momentum trace, SGD's update), ``a + b ⊙ g`` with ``b`` nowhere zero,
+the gradient is ``(leaf - a) / b``: exact up to the leaf's own rounding (for SGD's update, one
+rounding of the parameters, which the audit adds to its threshold). A state leaf is preferred
+over the update for that reason.
+
+A step that takes the whole batch makes one update per call (the accumulation is inside it); a
+step that takes one micro-batch (`optax.MultiSteps`, `accumulate`, a `TrainStep`) is fed
+micro-batch after micro-batch, and an update is where the parameters change. Its optimizer's
+state is found inside the step's state by its structure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_accum import _audit_run as run
+from optax_accum._train_step import TrainStep
+
+# A leaf is read as affine in the gradient when a random gradient's value is predicted by
+# ``a + b ⊙ g`` to this relative error (float32 rounding of a, b and the prediction is ~1e-7).
+AFFINE_RTOL = 1e-4
+
+
+class ReadBack(NamedTuple):
+  """The gradient an update received, read back from the step's outputs."""
+
+  grads: Any  # float64 host arrays, the parameters' tree
+  slack: float  # the reading's own error, relative to the largest gradient entry
+  source: str  # what it was read from, e.g. "the update" or "state[0].mu"
+
+
+def _matches(template: Any) -> Any:
+  """A predicate: a subtree with `template`'s structure, shapes and dtypes."""
+  tdef = jax.tree.structure(template)
+  shapes = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(template)]
+
+  def match(x: Any) -> bool:
+    if jax.tree.structure(x) != tdef:
+      return False
+    return [(np.shape(y), jnp.result_type(y)) for y in jax.tree.leaves(x)] == shapes
+
+  return match
+
+
+def locate(state: Any, template: Any) -> Any:
+  """The one subtree of `state` shaped as `template` (the optimizer's own state inside the
+  state of a step that wraps it), or None where there is none or more than one."""
+  match = _matches(template)
+  found = [x for x in jax.tree.leaves(state, is_leaf=match) if match(x)]
+  return found[0] if len(found) == 1 else None
+
+
+def _gradient_shaped(tree: Any, params: Any) -> list[tuple[str, Any]]:
+  """The subtrees of `tree` shaped as `params` (the gradient), with their paths."""
+  match = _matches(params)
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=match)
+  return [(jax.tree_util.keystr(path), x) for path, x in flat if match(x)]
+
+
+def _ulp(x: Any) -> np.ndarray:
+  """An upper bound of one rounding of each entry of `x` in its own dtype: ``eps · |x|``."""
+  return float(jnp.finfo(jnp.result_type(x)).eps) * np.abs(np.asarray(x, np.float64))
+
+
+def read_back(
+  opt: optax.GradientTransformation,
+  inner_before: Any,
+  params: Any,
+  inner_after: Any,
+  params_after: Any,
+) -> ReadBack | None:
+  """The gradient for which ``opt.update(g, inner_before, params)`` gives `inner_after` and
+  `params_after`, from the first leaf (state first, then the update) that is elementwise affine
+  in it; None where none is."""
+  update = jax.jit(lambda g: opt.update(g, inner_before, params))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  ones = jax.tree.map(jnp.ones_like, params)
+  r = jax.tree.map(
+    lambda x, i: jax.random.normal(jax.random.key(i), x.shape, x.dtype),
+    params, jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))),
+  )  # fmt: skip
+  f0, f1, fr = update(zeros), update(ones), update(r)
+  delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                       params_after, params)  # fmt: skip
+  candidates = [
+    (f"the optimizer state's {path}", got, a, b, c)
+    for (path, a), (_, b), (_, c), (_, got) in zip(
+      *(_gradient_shaped(t[1], params) for t in (f0, f1, fr)),
+      _gradient_shaped(inner_after, params),
+      strict=False,
+    )
+  ]
+  candidates.append(("your step's update", delta, f0[0], f1[0], fr[0]))
+  for source, got, a, b, c in candidates:
+    read = _read(got, a, b, c, r)
+    if read is not None:
+      grads, slack = read
+      if source == "your step's update":  # one rounding of the parameters, p + u, in each entry
+        slack = _update_slack(params_after, b, grads)
+      return ReadBack(grads, slack, source)
+  return None
+
+
+def _read(got: Any, a: Any, b: Any, c: Any, r: Any) -> tuple[Any, float] | None:
+  """``(got - a) / (b - a)`` leaf by leaf where ``c = a + (b - a) ⊙ r`` (affine), else None;
+  with the reading's rounding relative to the gradient's largest entry."""
+  f64 = lambda t: [np.asarray(x, np.float64) for x in jax.tree.leaves(t)]
+  a_, b_, c_, r_ = map(f64, (a, b, c, r))
+  grads, slack = [], 0.0
+  for raw, a0, b1, cr, rr in zip(jax.tree.leaves(got), a_, b_, c_, r_, strict=True):
+    g = np.asarray(raw, np.float64)
+    slope = b1 - a0
+    if slope.size and np.min(np.abs(slope)) == 0:
+      return None
+    predicted = a0 + slope * rr
+    scale = max(float(np.max(np.abs(slope * rr), initial=0.0)), 1e-30)
+    if float(np.max(np.abs(cr - predicted), initial=0.0)) > AFFINE_RTOL * scale:
+      return None
+    value = (g - a0) / slope
+    grads.append(value)
+    err = _ulp(raw) / np.abs(slope)
+    top = float(np.max(np.abs(value), initial=0.0))
+    if top > 0:
+      slack = max(slack, float(np.max(err, initial=0.0)) / top)
+  return jax.tree.unflatten(jax.tree.structure(got), grads), slack
+
+
+def _update_slack(params_after: Any, b: Any, grads: Any) -> float:
+  """The error of a gradient read from ``params_after - params``, relative to its largest
+  entry: an ulp of the new parameters, divided by the update's slope."""
+  worst = 0.0
+  for p, slope, g in zip(
+    jax.tree.leaves(params_after), jax.tree.leaves(b), jax.tree.leaves(grads), strict=True
+  ):
+    top = float(np.max(np.abs(g), initial=0.0))
+    if top > 0:
+      err = _ulp(p) / np.abs(np.asarray(slope, np.float64))
+      worst = max(worst, float(np.max(err, initial=0.0)) / top)
+  return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# Running the step.
+
+
+def step_args(s: run.Setup, params: Any, state: Any, batch: Any, i: int) -> tuple[Any, ...]:
+  key = () if s.keyed is None else (s.key(i),)
+  return (s.full(params), state, batch, *key)
+
+
+def _call(s: run.Setup) -> Any:
+  def call(params, state, i):
+    batch = s.micro[i % s.k] if s.per_micro_batch else s.batch
+    out = s.step(*step_args(s, params, state, batch, i))
+    if not isinstance(out, (tuple, list)) or len(out) < 2:
+      raise TypeError(
+        "audit: step must return (params, opt_state) or (params, opt_state, ...), got "
+        f"{type(out).__name__}."
+      )
+    return run.arrays_of(out[0]), out[1]
+
+  return call
+
+
+def run_step(s: run.Setup) -> run.Run:
+  """The user's step, `num_updates` updates, each read back through the optimizer."""
+  call = _call(s)
+  if s.per_micro_batch:
+    template = s.optimizer.init(s.params)
+
+    def updated(before, after, params, new):  # the parameters or the optimizer's state moved
+      inner = (locate(before, template), locate(after, template))
+      return run.moved(new, params) or (None not in inner and run.moved(*inner))
+
+    emissions = run.drive(s, call, s.params, s.opt_state, updated)
+  else:
+    emissions, params, state = [], s.params, s.opt_state
+    for j in range(s.num_updates):
+      new, after = call(params, state, j)
+      emissions.append(run.Emission(params, state, after, new, s.k))
+      params, state = new, after
+  windows, note = [], ""
+  template = s.optimizer.init(s.params)
+  for e in emissions:
+    before, after = locate(e.before, template), locate(e.after, template)
+    read = None
+    if before is not None and after is not None:
+      read = read_back(s.optimizer, before, e.start, after, e.params)
+    if read is None:
+      note = _unread(before, after)
+      windows.append(run.Window(e.start, None, None, e.calls))
+      continue
+    delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                         e.params, e.start)  # fmt: skip
+    windows.append(run.Window(e.start, read.grads, delta, e.calls, read.slack, True, read.source))
+  accumulator = run._accumulator(emissions[0].after) if emissions else None
+  kind = "micro" if s.per_micro_batch else "update"
+  batch = s.micro[0] if s.per_micro_batch else s.batch
+  args = step_args(s, s.params, s.opt_state, batch, 0)
+  if isinstance(s.step, TrainStep):  # the user's TrainStep: its two programs
+    lower = lambda emit: s.step.lower(*args, emit=emit).compile().as_text()
+    programs = lambda: [("micro", lower(False)), ("closing", lower(True))]
+  else:
+    jitted = s.step if hasattr(s.step, "lower") else jax.jit(s.step)
+    programs = lambda: [(kind, jitted.lower(*args).compile().as_text())]
+  return run.Run(windows, accumulator, s.per_micro_batch, note=note, programs=programs)
+
+
+def _unread(before: Any, after: Any) -> str:
+  if before is None or after is None:
+    return (
+      "the state of `optimizer` is not in your step's optimizer state once (is `optimizer` "
+      "the one your step applies? pass opt_state= if your step's state is not "
+      "optimizer.init(params))"
+    )
+  return (
+    "neither your optimizer's update nor its state is linear in the gradient here (e.g. "
+    "clipping that acts): audit the accumulation as front_end=fn(loss_fn, params, batch)"
+  )
