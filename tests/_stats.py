@@ -41,3 +41,11 @@ def check_std(z: np.ndarray, std: float, what: str, mutations=MUTATIONS) -> None
   z = np.asarray(z, np.float64).ravel()
   measured = float(np.sqrt(np.mean(z * z)))  # the mean is 0: no degree of freedom spent on it
   check(measured, std, std / np.sqrt(2 * z.size), what, mutations)
+
+
+def controls(relative_se: float) -> tuple[float, float]:
+  """The mutation factors for a figure whose relative standard error is `relative_se`: 2 % low
+  and high where the sample can see that (6.5 SE below 2 %), else 6.5 SE low and high (what
+  it can see for certain: the measured figure is within 3 SE)."""
+  c = max(0.02, 6.5 * relative_se)
+  return (1 - c, 1 + c)
