@@ -45,6 +45,19 @@ The faults are small faulty update functions built here from the library's piece
 (`clipped_loss` per shard, `dp_noise` with σ = 0, one `dp_noise` draw reused on every shard),
 not library options (a private front end refuses those).
 
+The white-box audit (`privacy.audit_updates`, the second table): one device, the same claim
+(σ, q, T, δ), every update observed. ``m = 20,000`` Dirac canaries (parameter ``i`` of a weight
+of ``m + p``; canary ``i``'s gradient is ``-4C·e_i``, clipped to ``-C·e_i``) and ``p = 2000``
+probe parameters that no example reaches (their updates are the noise alone); the library's path
+(`PoissonSampler`, ``K = 16`` micro-batches, ``accumulate(chain(dp_noise, sgd(1)), K,
+reduction="sum")`` under ``jit``) and four faults built from the library's pieces: σ/2, clipping
+at 2C with the noise for C, noise skipped on the second update, and the optimizer state
+re-initialised before each update (the same noise key and count: the same noise). 300
+one-sided "in" guesses: on simulated DP-SGD updates of this size, 300 of 20,000 gave the
+correct run the highest bound (mean 1.27 over 8 seeds; 500 guesses 1.19, 800 1.14) while σ/2
+stayed above 2.5. The same runs' final parameters are audited with `audit_epsilon` (150 + 150
+guesses) for comparison. About 10 s per run on a loaded 2-core machine.
+
 Writes ``benchmarks/results/cpu/dp_audit.md`` (or ``--out DIR``).
 """
 

@@ -11,6 +11,13 @@ devices, 4000 gradient canaries. The library's path stays below the accountant's
 injected fault (σ silently 0, the noise per micro-batch divided by K instead of √K, per-shard
 clipping, identical noise on the model shards) is caught, its bound above the claimed ε. The
 runs are seeded, so every figure is deterministic (the benchmarks page shows them).
+
+The white-box audit (`privacy.audit_updates`): its f-DP analysis against jax_privacy's (the
+same recursion on the Gaussian curve), its validity over seeds on simulated DP-SGD, singular
+noise seen, bad input; then training runs on one device: the library's run at the benchmark's
+size (at least half the claimed ε, at most the claim), three more seeds at most the claim, and
+the four faults (σ/2, clipping at 2C, noise skipped on one update, the same noise on both)
+above the claim. The final-model audit of the same runs misses the last two.
 """
 
 from __future__ import annotations

@@ -308,9 +308,11 @@ def _dp_sgd_inv_blowup(noise_multiplier: float, rate: float, updates: int) -> An
     # terms of tiny δ matter only for events too rare for any audit to observe.
     tops = (pld.get_epsilon_for_delta(d) for d in (1e-12, 1e-9, 1e-6, 1e-3))
     top = next((t for t in tops if np.isfinite(t)), 0.0)
-    epsilons = np.linspace(0.0, 1.5 * top, _EPS_GRID)
-    deltas = np.asarray(pld.get_delta_for_epsilon(epsilons), np.float64)
-  return _profile_inv_blowup(epsilons, deltas)
+    epsilons = np.linspace(0.0, min(1.5 * top, 700.0), _EPS_GRID)  # e^ε finite in float64
+    with np.errstate(over="ignore", invalid="ignore"):  # its e^ε·0 at a huge ε: NaN, dropped
+      deltas = np.asarray(pld.get_delta_for_epsilon(epsilons), np.float64)
+  keep = np.isfinite(deltas)  # dropping points only weakens the claim
+  return _profile_inv_blowup(epsilons[keep], deltas[keep])
 
 
 def _dp_sgd_boundary(v: int, k: int, m: int, rate: float, updates: int, beta: float) -> float:
