@@ -312,7 +312,7 @@ def test_audit_updates_reads_the_noise_not_the_claim():
     ({"canary_updates": np.full((2, 8), np.nan)}, r"canary_updates must be finite, got 16 not"),
     ({"included": np.zeros(7, bool)}, r"included must be 8 booleans .* got bool\[7\]"),
     ({"contribution": 0.0}, r"contribution must be finite and nonzero, got 0.0"),
-    ({"sampling_rate": 1.5}, r"sampling_rate must be in \(0, 1\), got 1.5"),
+    ({"sampling_rate": 1.5}, r"sampling_rate must be in \(0, 1\], got 1.5"),
     ({"num_positive": 9}, r"num_positive must be at most the 8 canaries, got 9"),
     ({"num_positive": 0}, r"num_positive must be an int >= 1, got 0"),
     ({"delta": 0.0}, r"delta must be in \(0, 1\), got 0.0"),
@@ -356,3 +356,37 @@ def test_white_box_audit_catches_a_fault(design, fault):
   dp_audit, claimed = design
   res = dp_audit.wb_audit(fault, canaries=10_000, guesses=200)
   assert res.white_box.epsilon > claimed["rdp"], (fault, res)
+
+
+def test_audit_updates_beyond_ten_updates_scores_them_independently():
+  # 12 updates (2^12 sampling patterns): each update scored on its own with its noise read from
+  # the probes. A correct run stays below its ε; one noise-free update of the 12 is caught.
+  pytest.importorskip("dp_accounting")
+  true_eps = privacy.dp_epsilon(12, 0.5, 2.0, 1e-6, accountant="pld")
+  kw = dict(contribution=1.0, sampling_rate=0.5, num_positive=100, delta=1e-6)
+  y, z, inc = _simulated_updates(4, 4000, 2.0, rate=0.5, steps=12)
+  correct = privacy.audit_updates(y, z, inc, **kw)
+  y, z, inc = _simulated_updates(4, 4000, 2.0, "noise_skipped", rate=0.5, steps=12)
+  skipped = privacy.audit_updates(y, z, inc, **kw)
+  assert 0 < correct.epsilon <= true_eps < skipped.epsilon, (true_eps, correct, skipped)
+
+
+def test_white_box_scores_are_the_likelihood_ratio():
+  # Against SciPy's Gaussian densities: log Σ_b P(b)·N(y; b, Σ) - log N(y; 0, Σ), summed over
+  # the 2^T sampling patterns, for a correlated Σ.
+  from scipy import stats as sp
+
+  from optax_accum.privacy import _audit
+
+  rng = np.random.default_rng(3)
+  cov = np.array([[2.0, 0.6, 0.1], [0.6, 1.5, -0.3], [0.1, -0.3, 1.0]])
+  y = rng.standard_normal((3, 5)) + 0.5
+  got = _audit._log_likelihood_ratios(y, cov, 0.3)
+  patterns = [np.array([(p >> t) & 1 for t in range(3)]) for p in range(8)]
+  for i in range(5):
+    mixture = sum(
+      0.3 ** b.sum() * 0.7 ** (3 - b.sum()) * sp.multivariate_normal(b, cov).pdf(y[:, i])
+      for b in patterns
+    )
+    want = np.log(mixture) - sp.multivariate_normal(np.zeros(3), cov).logpdf(y[:, i])
+    assert got[i] == pytest.approx(want, rel=1e-10, abs=1e-12)

@@ -54,6 +54,15 @@ def _unit(value: Any, name: str, caller: str, *, closed_low: bool) -> float:
   return value
 
 
+def _rate(value: Any, caller: str) -> float:
+  """A sampling rate in (0, 1]."""
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    raise TypeError(f"{caller}: sampling_rate must be a number, got {value!r}.")
+  if not 0 < value <= 1:
+    raise ValueError(f"{caller}: sampling_rate must be in (0, 1], got {value!r}.")
+  return float(value)
+
+
 def _log_choose(r: int) -> np.ndarray:
   """``log C(r, j)`` for j = 0..r, in float64."""
   return np.array(
@@ -229,11 +238,17 @@ _SIGMA_RTOL = 1e-3  # the boundary's relative precision
 
 def _noise_covariance(noise: np.ndarray) -> np.ndarray:
   """The updates' ``(T, T)`` noise covariance from directions no example reaches (their mean is
-  0 by construction: no gradient), with a small ridge so that a noise-free direction (a skipped
-  or repeated draw) weighs enormously instead of dividing by 0."""
+  0 by construction: no gradient), with a small ridge (1e-9 of the mean variance, or of one
+  canary's contribution squared if larger) so that a noise-free direction (a skipped or
+  repeated draw) weighs enormously instead of dividing by 0."""
   cov = noise @ noise.T / noise.shape[1]
-  scale = max(float(np.trace(cov)) / len(cov), np.finfo(np.float64).tiny)
+  scale = max(float(np.trace(cov)) / len(cov), 1.0)  # units: one canary's contribution
   return cov + _RIDGE * scale * np.eye(len(cov))
+
+
+def _log1m(rate: float) -> float:
+  """``log(1 - rate)``, -inf at rate 1."""
+  return math.log1p(-rate) if rate < 1 else -math.inf
 
 
 def _log_likelihood_ratios(observed: np.ndarray, cov: np.ndarray, rate: float) -> np.ndarray:
@@ -245,12 +260,14 @@ def _log_likelihood_ratios(observed: np.ndarray, cov: np.ndarray, rate: float) -
   if steps > _MAX_PATTERNS_LOG2:
     var = np.diag(cov)[:, None]
     sampled = math.log(rate) + (observed - 0.5) / var
-    unsampled = np.full_like(sampled, math.log1p(-rate) if rate < 1 else -np.inf)
+    unsampled = np.full_like(sampled, _log1m(rate))
     return np.sum(np.logaddexp(sampled, unsampled), axis=0)
   patterns = (np.arange(2**steps)[:, None] >> np.arange(steps)) & 1  # (2^T, T)
   count = patterns.sum(1)
-  with np.errstate(divide="ignore"):  # rate = 1: a pattern that skips an update has log 0
-    log_prior = count * math.log(rate) + (steps - count) * np.log1p(-rate)
+  # rate = 1: a pattern that skips an update has probability 0 (log -inf, never 0·-inf)
+  log_prior = np.array(
+    [c * math.log(rate) + (steps - c and (steps - c) * _log1m(rate)) for c in count]
+  )
   precision = np.linalg.inv(cov)
   pb = patterns @ precision  # (2^T, T): bᵀΣ⁻¹
   quad = 0.5 * np.sum(pb * patterns, axis=1)  # ½ bᵀΣ⁻¹b
@@ -380,7 +397,9 @@ def audit_updates(
     in versus out, under that noise: ``y ~ N(b, Σ)`` in units of one canary's contribution,
     with ``b`` the updates that sampled it (Poisson, probability `sampling_rate` each). Noise
     that was smaller than claimed, skipped on an update, or the same on two updates (a reused
-    key) is seen as it is: the claimed σ is never assumed;
+    key) is seen as it is: the claimed σ is never assumed. Exact over the ``2^T`` sampling
+    patterns up to 10 updates; beyond, each update is scored on its own with its noise
+    (correlations between updates, e.g. a repeated draw, are then not used);
   * "in" is guessed for the `num_positive` highest scores (ties by index), and the correct
     guesses are judged against the tradeoff curve of DP-SGD itself (f-DP, Mahloujifar, Melis
     and Chaudhuri 2025, https://arxiv.org/abs/2410.22235; from dp-accounting's privacy loss
@@ -429,8 +448,8 @@ def audit_updates(
   >>> res = optax_accum.privacy.audit_updates(
   ...   included[None] * 0.25, np.zeros((1, 1000)), included, contribution=0.25,
   ...   sampling_rate=1.0, num_positive=200, delta=1e-6)
-  >>> res.num_correct, res.num_guesses, res.epsilon > 20
-  (200, 200, True)
+  >>> res.num_correct, res.num_guesses, round(res.epsilon, 1)
+  (200, 200, 6.8)
   """
   caller = "audit_updates"
   if isinstance(contribution, bool) or not isinstance(contribution, int | float | np.number):
@@ -450,9 +469,7 @@ def audit_updates(
     raise ValueError(
       f"{caller}: included must be {m} booleans (one per canary), got {inc.dtype}{list(inc.shape)}."
     )
-  rate = (
-    _unit(sampling_rate, "sampling_rate", caller, closed_low=False) if sampling_rate != 1 else 1.0
-  )
+  rate = _rate(sampling_rate, caller)
   k = _int(num_positive, "num_positive", caller, 1)
   if k > m:
     raise ValueError(f"{caller}: num_positive must be at most the {m} canaries, got {k}.")
