@@ -20,10 +20,10 @@ tolerance away from it, so the comparison can fail.
 σ > 0 (σ = 1.3): inside ``shard_map`` each device's piece of the update is returned. Over
 ``SEEDS = 200`` keys, the noise (update minus the σ = 0 update) has per-coordinate std σC/B:
 pooled over the 58 coordinates, 11,600 draws, whose std has a standard error of
-1/√(2·11600) = 0.66%, so 3 SE (2%) fit the 3% tolerance. Two model shards of a sharded leaf draw
-uncorrelated noise: |corr| < 0.07 over the sharded leaves' coordinates pooled, ≥ 2,800 pairs
-per two shards (3 SE = 3/√2800 = 0.057; identical noise on the shards, the bug, gives 1).
-Every data device holds the same noise, bit for bit, and every
+1/√(2·11600) = 0.66%: the tolerance is 3 SE (2%), with a control 4% low and high. Two model
+shards of a sharded leaf draw uncorrelated noise: |corr| < 0.07 over the sharded leaves'
+coordinates pooled, ≥ 2,800 pairs per two shards (3 SE = 3/√2800 = 0.057; identical noise on
+the shards, the bug, gives 1). Every data device holds the same noise, bit for bit, and every
 model device the same noise for the replicated leaf. Under plain ``jax.jit`` a leaf is one global
 array drawn whole: its noise equals the one-device draw of the same key (to float32 rounding of
 the sums it is added to), so it has the one-device statistics, measured here over the same
@@ -37,6 +37,7 @@ import itertools
 from typing import Any, NamedTuple
 
 import _reference as ref
+import _stats as stats
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -392,10 +393,13 @@ def noise_samples(layout, front):
 
 
 def _check_std(z):
+  # 11,600 draws: the std estimate's standard error is 1/√(2·11600) = 0.66 %, the tolerance
+  # 3 SE = 2.0 %, and the control is the same draw 4 % low and 4 % high (6 SE: what this sample
+  # can see for certain). A layout's own fault is larger (a shard's noise off by √2 or more);
+  # the whole noise 2 % low or high is test_dp_noise's control, on 200,000 draws.
   _, _, clip, _ = problem()
   std = SIGMA * clip / N
-  assert 3 / np.sqrt(2 * z.size) < 0.03
-  assert abs(z.std() / std - 1) < 0.03, (z.std(), std)
+  stats.check_std(z, std, "dp_noise std in this layout", mutations=(0.96, 1.04))
   assert abs(z.mean()) < 3 * std / np.sqrt(z.size)
 
 

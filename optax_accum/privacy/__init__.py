@@ -9,7 +9,12 @@ the privacy contract.
 
 from optax_accum.privacy import _guard
 from optax_accum.privacy._accounting import dp_epsilon, dp_noise_multiplier
-from optax_accum.privacy._audit import AuditResult, audit_epsilon, epsilon_lower_bound
+from optax_accum.privacy._audit import (
+  AuditResult,
+  audit_epsilon,
+  audit_updates,
+  epsilon_lower_bound,
+)
 from optax_accum.privacy._clipping import (
   ClipAux,
   ClippedGrad,
@@ -36,6 +41,7 @@ __all__ = [
   "PoissonBatch",
   "PoissonSampler",
   "audit_epsilon",
+  "audit_updates",
   "clipped_grad",
   "clipped_loss",
   "contract_table",

@@ -18,6 +18,7 @@ bound is the theorem's exactly, to float64 rounding.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -51,6 +52,15 @@ def _unit(value: Any, name: str, caller: str, *, closed_low: bool) -> float:
     need = "[0, 1)" if closed_low else "(0, 1)"
     raise ValueError(f"{caller}: {name} must be in {need}, got {value!r}.")
   return value
+
+
+def _rate(value: Any, caller: str) -> float:
+  """A sampling rate in (0, 1]."""
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    raise TypeError(f"{caller}: sampling_rate must be a number, got {value!r}.")
+  if not 0 < value <= 1:
+    raise ValueError(f"{caller}: sampling_rate must be in (0, 1], got {value!r}.")
+  return float(value)
 
 
 def _log_choose(r: int) -> np.ndarray:
@@ -212,3 +222,267 @@ def audit_epsilon(
   correct = int(np.sum(inc[guessed_in])) + int(np.sum(~inc[guessed_out]))
   eps = epsilon_lower_bound(correct, kp + kn, m, delta=delta, confidence=confidence)
   return AuditResult(eps, correct, kp + kn, m, float(delta), float(confidence))
+
+
+# ----------------------------------------------------------------------------------------------
+# The white-box audit: every update observed, scored against the noise it actually drew, and
+# judged against the whole tradeoff curve of DP-SGD (Mahloujifar, Melis and Chaudhuri 2025).
+
+_MAX_PATTERNS_LOG2 = 10  # exact likelihood ratios up to 2^10 sampling patterns (10 updates)
+_RIDGE = 1e-9  # the noise covariance's ridge, relative to its mean variance
+_EPS_GRID = 500  # ε values in a privacy profile; fewer only weakens the claim (stays valid)
+_PLD_STEP = 1e-2  # dp-accounting's loss discretization: pessimistic, so coarser stays valid
+_SIGMA_RANGE = (0.05, 1e3)  # noise multipliers searched for the boundary
+_SIGMA_RTOL = 1e-3  # the boundary's relative precision
+
+
+def _noise_covariance(noise: np.ndarray) -> np.ndarray:
+  """The updates' ``(T, T)`` noise covariance from directions no example reaches (their mean is
+  0 by construction: no gradient), with a small ridge (1e-9 of the mean variance, or of one
+  canary's contribution squared if larger) so that a noise-free direction (a skipped or
+  repeated draw) weighs enormously instead of dividing by 0."""
+  cov = noise @ noise.T / noise.shape[1]
+  scale = max(float(np.trace(cov)) / len(cov), 1.0)  # units: one canary's contribution
+  return cov + _RIDGE * scale * np.eye(len(cov))
+
+
+def _log1m(rate: float) -> float:
+  """``log(1 - rate)``, -inf at rate 1."""
+  return math.log1p(-rate) if rate < 1 else -math.inf
+
+
+def _log_likelihood_ratios(observed: np.ndarray, cov: np.ndarray, rate: float) -> np.ndarray:
+  """Each canary's ``log p(y | in) / p(y | out)``: out, ``y ~ N(0, Σ)``; in, ``y ~ N(b, Σ)``
+  with ``b ∈ {0, 1}^T`` the updates that sampled it (each with probability `rate`). Exact over
+  all ``2^T`` patterns up to `_MAX_PATTERNS_LOG2` updates; beyond, the product over updates with
+  Σ's diagonal (correlations between updates ignored)."""
+  steps = observed.shape[0]
+  if steps > _MAX_PATTERNS_LOG2:
+    var = np.diag(cov)[:, None]
+    sampled = math.log(rate) + (observed - 0.5) / var
+    unsampled = np.full_like(sampled, _log1m(rate))
+    return np.sum(np.logaddexp(sampled, unsampled), axis=0)
+  patterns = (np.arange(2**steps)[:, None] >> np.arange(steps)) & 1  # (2^T, T)
+  count = patterns.sum(1)
+  # rate = 1: a pattern that skips an update has probability 0 (log -inf, never 0·-inf)
+  log_prior = np.array(
+    [c * math.log(rate) + (steps - c and (steps - c) * _log1m(rate)) for c in count]
+  )
+  precision = np.linalg.inv(cov)
+  pb = patterns @ precision  # (2^T, T): bᵀΣ⁻¹
+  quad = 0.5 * np.sum(pb * patterns, axis=1)  # ½ bᵀΣ⁻¹b
+  logits = log_prior[:, None] + pb @ observed - quad[:, None]
+  top = np.max(logits, axis=0)
+  return top + np.log(np.sum(np.exp(logits - top), axis=0))
+
+
+def _fdp_rejects(inv_blowup: Any, m: int, k: int, v: int, beta: float) -> bool:
+  """Whether `v` correct "in" guesses of `k` (about `m` canaries, each in with probability ½)
+  refute f-DP at significance `beta`: Mahloujifar, Melis and Chaudhuri 2025 (ICML;
+  https://arxiv.org/abs/2410.22235), the algorithm that bounds the guesses' correct mass
+  ``r`` and wrong mass ``h`` from below, taking one fewer correct guess at a time.
+
+  `inv_blowup(x)` is ``f(1 - x)`` for the symmetric tradeoff function ``f``: the least
+  probability an event can have without the canary when it has probability ``x`` with it.
+  """
+  if v == 0:
+    return False
+  r, h = beta * v / m, beta * (k - v) / m
+  for i in range(v - 1, -1, -1):
+    grown = max(h, float(inv_blowup(r)))
+    if grown == h:  # a fixed point: neither mass moves again
+      break
+    r, h = min(r + i / (k - i) * (grown - h), 1.0), grown
+  return r + h > k / m
+
+
+def _profile_inv_blowup(epsilons: np.ndarray, deltas: np.ndarray) -> Any:
+  """``x ↦ f(1 - x)`` for the tradeoff function of a privacy profile, every point of which the
+  mechanism satisfies: ``f(α) = max(0, maxⱼ 1 - δⱼ - e^εⱼ·α, maxⱼ e^-εⱼ·(1 - δⱼ - α))``
+  (symmetric; fewer profile points give a smaller f, a weaker claim)."""
+  grow, shrink = np.exp(epsilons), np.exp(-epsilons)
+  slack = 1.0 - deltas
+
+  def inv_blowup(x: float) -> float:
+    alpha = 1.0 - x
+    return max(0.0, float(np.max(slack - grow * alpha)), float(np.max(shrink * (slack - alpha))))
+
+  return inv_blowup
+
+
+def _dp_sgd_inv_blowup(noise_multiplier: float, rate: float, updates: int) -> Any:
+  """`_profile_inv_blowup` of DP-SGD: `updates` Poisson-sampled Gaussian steps, from
+  dp-accounting's privacy loss distribution (pessimistic: its δ(ε) are upper bounds, so this
+  f is below the mechanism's own)."""
+  from optax_accum.privacy import _accounting
+
+  dp_accounting = _accounting._dp_accounting("audit_updates")
+  acc = dp_accounting.pld.PLDAccountant(value_discretization_interval=_PLD_STEP)
+  with _accounting._quiet():
+    acc.compose(_accounting.dp_event(updates, rate, noise_multiplier))
+    pld = acc._pld  # the composed distribution: its whole δ(ε) curve, not one point
+    # Up to where δ(ε) is 1e-12 (dp-accounting truncates tails of ~1e-15): beyond, e^ε·α
+    # terms of tiny δ matter only for events too rare for any audit to observe.
+    tops = (pld.get_epsilon_for_delta(d) for d in (1e-12, 1e-9, 1e-6, 1e-3))
+    top = next((t for t in tops if np.isfinite(t)), 0.0)
+    epsilons = np.linspace(0.0, min(1.5 * top, 700.0), _EPS_GRID)  # e^ε finite in float64
+    with np.errstate(over="ignore", invalid="ignore"):  # its e^ε·0 at a huge ε: NaN, dropped
+      deltas = np.asarray(pld.get_delta_for_epsilon(epsilons), np.float64)
+  keep = np.isfinite(deltas)  # dropping points only weakens the claim
+  return _profile_inv_blowup(epsilons[keep], deltas[keep])
+
+
+def _dp_sgd_boundary(v: int, k: int, m: int, rate: float, updates: int, beta: float) -> float:
+  """The smallest noise multiplier whose DP-SGD (same rate and updates) the guesses refute:
+  refuting a noise multiplier refutes every larger one (a more private claim). `inf` when none
+  up to `_SIGMA_RANGE`'s top is refuted; its bottom when even that is."""
+
+  @functools.cache
+  def refuted(sigma: float) -> bool:
+    return _fdp_rejects(_dp_sgd_inv_blowup(sigma, rate, updates), m, k, v, beta)
+
+  floor, ceiling = _SIGMA_RANGE
+  if v == 0:
+    return math.inf
+  low = high = 1.0  # bracket [low, high] by doubling from σ = 1, then bisect in log σ
+  if refuted(high):
+    while low > floor and refuted(low):
+      high, low = low, max(low / 2, floor)
+    if refuted(low):
+      return low
+  else:
+    while high < ceiling and not refuted(high):
+      low, high = high, min(2 * high, ceiling)
+    if not refuted(high):
+      return math.inf
+  while high / low > 1 + _SIGMA_RTOL:
+    mid = math.sqrt(low * high)
+    low, high = (low, mid) if refuted(mid) else (mid, high)
+  return high
+
+
+def _observations(value: Any, name: str, rows: int | None) -> np.ndarray:
+  caller = "audit_updates"
+  arr = np.asarray(value, np.float64)
+  if arr.ndim != 2 or (rows is not None and arr.shape[0] != rows):
+    need = "(updates, canaries)" if rows is None else f"({rows}, probes), one row per update"
+    raise ValueError(f"{caller}: {name} must be a 2-D array {need}, got shape {arr.shape}.")
+  if not np.all(np.isfinite(arr)):
+    raise ValueError(f"{caller}: {name} must be finite, got {int(np.sum(~np.isfinite(arr)))} not.")
+  return arr
+
+
+def audit_updates(
+  canary_updates: Any,
+  noise_updates: Any,
+  included: Any,
+  *,
+  contribution: float,
+  sampling_rate: float,
+  num_positive: int,
+  delta: float,
+  confidence: float = 0.95,
+) -> AuditResult:
+  """The white-box one-run audit of DP-SGD: every update observed, gradient canaries scored.
+
+  The auditor of a training run that it can watch (its own run of the user's code, say) plants
+  ``m`` gradient canaries, each included in the data independently with probability ½, whose
+  clipped gradients point along known orthogonal directions ``uᵢ`` ("Dirac" canaries: one
+  parameter each, which no other example's gradient reaches), and keeps ``p`` probe
+  directions that no example reaches at all. After each of the ``T`` updates it records every
+  canary's and every probe's component of the update. Then:
+
+  * the noise each update drew, and how the updates' noise is correlated, is read from the
+    probes (``(T, T)`` covariance Σ), so each canary's score is its exact likelihood ratio,
+    in versus out, under that noise: ``y ~ N(b, Σ)`` in units of one canary's contribution,
+    with ``b`` the updates that sampled it (Poisson, probability `sampling_rate` each). Noise
+    that was smaller than claimed, skipped on an update, or the same on two updates (a reused
+    key) is seen as it is: the claimed σ is never assumed. Exact over the ``2^T`` sampling
+    patterns up to 10 updates; beyond, each update is scored on its own with its noise
+    (correlations between updates, e.g. a repeated draw, are then not used);
+  * "in" is guessed for the `num_positive` highest scores (ties by index), and the correct
+    guesses are judged against the tradeoff curve of DP-SGD itself (f-DP, Mahloujifar, Melis
+    and Chaudhuri 2025, https://arxiv.org/abs/2410.22235; from dp-accounting's privacy loss
+    distribution), not against a single (ε, δ): for a Gaussian mechanism that is what makes a
+    one-run audit nearly tight. The result is the ε at `delta` of the least noisy DP-SGD
+    (same sampling rate and number of updates) that the guesses refute at `confidence`.
+
+  Observing every update is what the final model cannot give: a canary's updates sum in the
+  final parameters with noise that may cancel or repeat; white-box, one noise-free update
+  gives its canaries away. Scores use only the released updates (post-processing), so the
+  bound holds for any score: with probability at least `confidence` over the canaries'
+  inclusion and the run's randomness, a correct DP-SGD run's bound is at most its ε.
+
+  Args:
+    canary_updates: ``(T, m)``: each update's component ``⟨θₜ₊₁ - θₜ, uᵢ⟩`` along each
+      canary's unit gradient direction, in update order (for Dirac canaries, the update's
+      values at the canaries' parameters).
+    noise_updates: ``(T, p)``: the same for ``p`` probe directions no example's gradient
+      reaches, orthogonal to the canaries (their updates are the noise alone); ``p`` of a
+      thousand or more.
+    included: ``(m,)`` booleans, which canaries were in the data (each drawn with probability
+      ½ before training).
+    contribution: the shift one sampled canary makes along its direction in one update: for
+      `dp_noise` then ``optax.sgd(lr)``, ``lr·C/B`` (its clip norm ``C``, expected batch size
+      ``B``), the sign included (``-lr·C/B`` for a canary whose loss gradient is ``+C·uᵢ``:
+      SGD steps against it).
+    sampling_rate: q, each example's probability of being in an update's batch.
+    num_positive: k, the "in" guesses, fixed before the run.
+    delta: the δ of the claim whose ε is reported, in (0, 1).
+    confidence: ``1 - β``, in (0, 1).
+
+  Returns:
+    An `AuditResult` with ``num_guesses = num_positive``: ε >= 0, 0.0 when no DP-SGD with a
+    noise multiplier up to 1000 is refuted.
+
+  Raises:
+    ValueError, TypeError: for observations that are not finite 2-D arrays with one row per
+      update, fewer than ``T + 1`` probes, inclusions that do not match the canaries, a zero
+      or non-finite `contribution`, or arguments out of range; ImportError: without
+      ``dp-accounting``.
+
+  >>> import numpy as np, pytest, optax_accum
+  >>> _ = pytest.importorskip("dp_accounting")
+  >>> rng = np.random.default_rng(0)
+  >>> included = rng.random(4000) < 0.5  # one noise-free update (σ = 0): every canary shows
+  >>> res = optax_accum.privacy.audit_updates(
+  ...   included[None] * 0.25, np.zeros((1, 1000)), included, contribution=0.25,
+  ...   sampling_rate=1.0, num_positive=200, delta=1e-6)
+  >>> res.num_correct, res.num_guesses, round(res.epsilon, 1)
+  (200, 200, 6.8)
+  """
+  caller = "audit_updates"
+  if isinstance(contribution, bool) or not isinstance(contribution, int | float | np.number):
+    raise TypeError(f"{caller}: contribution must be a number, got {contribution!r}.")
+  if not (np.isfinite(contribution) and contribution != 0):
+    raise ValueError(f"{caller}: contribution must be finite and nonzero, got {contribution!r}.")
+  observed = _observations(canary_updates, "canary_updates", None) / float(contribution)
+  steps, m = observed.shape
+  noise = _observations(noise_updates, "noise_updates", steps) / float(contribution)
+  if noise.shape[1] < steps + 1:
+    raise ValueError(
+      f"{caller}: noise_updates needs more probes than updates to estimate the noise, got "
+      f"{noise.shape[1]} probes for {steps} updates (use a thousand or more)."
+    )
+  inc = np.asarray(included)
+  if inc.shape != (m,) or inc.dtype != bool:
+    raise ValueError(
+      f"{caller}: included must be {m} booleans (one per canary), got {inc.dtype}{list(inc.shape)}."
+    )
+  rate = _rate(sampling_rate, caller)
+  k = _int(num_positive, "num_positive", caller, 1)
+  if k > m:
+    raise ValueError(f"{caller}: num_positive must be at most the {m} canaries, got {k}.")
+  d = _unit(delta, "delta", caller, closed_low=False)
+  beta = 1.0 - _unit(confidence, "confidence", caller, closed_low=False)
+
+  scores = _log_likelihood_ratios(observed, _noise_covariance(noise), rate)
+  order = np.argsort(-scores, kind="stable")  # highest first; ties by index
+  correct = int(np.sum(inc[order[:k]]))
+  sigma = _dp_sgd_boundary(correct, k, m, rate, steps, beta)
+  eps = 0.0
+  if np.isfinite(sigma):
+    from optax_accum.privacy import _accounting
+
+    eps = _accounting.dp_epsilon(steps, rate, sigma, d, accountant="pld")
+  return AuditResult(float(eps), correct, k, m, d, 1.0 - beta)
