@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _batch, _checks, _collectives, _gspmd, _nnx, _outputs, _scan
+from optax_accum import _batch, _checks, _collectives, _fsdp, _gspmd, _nnx, _outputs, _scan
 from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
@@ -196,6 +196,7 @@ def microbatch(
   axis_name: AxisName | None = None,
   mesh: Any = None,
   unroll: int | bool = 1,
+  keep_unsharded: str | None = None,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -411,6 +412,7 @@ def microbatch(
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
+  keep_unsharded = _check_keep(keep_unsharded, axis_name, noise_scale)
   opts = _scan.Options(
     fun=fun,
     k=k,
@@ -428,6 +430,7 @@ def microbatch(
     axis_name=axis_name,
     mesh=mesh,
     unroll=_scan.check_unroll(unroll),
+    keep_unsharded=keep_unsharded,
   )
 
   @_checks.wraps(fun)
@@ -441,9 +444,37 @@ def microbatch(
 def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
   """One call of a `microbatch` function on arrays: the axis resolved, then bound or run."""
   axis = _gspmd.resolve_axis(opts.axis_name, opts.mesh, "microbatch")
+  if axis.mode == "mapped" and opts.keep_unsharded is not None:
+    raise ValueError(KEEP_IN_MAP.format(axis=opts.axis_name))
   if axis.mode == "unbound":
     return _bind(opts._replace(axis=axis), args, kwargs)
   return _run(opts._replace(axis=axis), args, kwargs)
+
+
+KEEP_IN_MAP = (
+  "microbatch: keep_unsharded is the choice of what microbatch gathers and reduce-scatters where "
+  "it binds axis_name={axis!r} itself (under plain jax.jit); inside a map that binds it, the "
+  "parameters arrive as your map splits them and your function gathers them. Call microbatch "
+  "under plain jax.jit with the mesh in effect (jax.set_mesh), or drop keep_unsharded."
+)
+
+
+def _check_keep(keep: Any, axis_name: Any, noise_scale: Any) -> str | None:
+  """`keep_unsharded` (FSDP): checked, with what it needs (an axis) and refuses (noise_scale)."""
+  keep = _fsdp.check_keep(keep, "microbatch")
+  if keep is not None and axis_name is None:
+    raise ValueError(
+      f"microbatch: keep_unsharded={keep!r} needs axis_name: the data-parallel mesh axes the "
+      "batch is split over, some of which shard the parameters (FSDP), e.g. "
+      "axis_name='data' for parameters sharded over 'data', or ('data', 'fsdp')."
+    )
+  if keep is not None and noise_scale is not None:
+    raise ValueError(
+      f"microbatch: keep_unsharded={keep!r} with noise_scale is not supported: the window's "
+      "|mean gradient|^2 would be read from one shard of each sharded gradient. Measure the "
+      "noise scale without keep_unsharded (e.g. on a separate step), or use TrainStep/accumulate."
+    )
+  return keep
 
 
 def _private_options(
@@ -531,6 +562,10 @@ def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     args, kwargs = _interleave(pos, args, kwargs, k)
     inner = inner._replace(split="strided")
   binding = _gspmd.Binding(opts.axis, _gspmd.no_state, "concat", "microbatch")
+  if opts.keep_unsharded is not None:  # FSDP: sharded parameters enter as their shards
+    fsdp = _fsdp.plan(opts.keep_unsharded, opts.axis, args, kwargs, pos.axis_of(), "microbatch")
+    inner = inner._replace(fsdp=fsdp)
+    binding = _fsdp_binding(binding, fsdp, args, kwargs, plans, opts.return_info)
   fun = functools.partial(_run_kw, inner, plans.append)
   out = _gspmd.run_bound(fun, binding, pos, args, kwargs)
   if inner.split == opts.split:
@@ -542,6 +577,28 @@ def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     leaves[n] = _batch.interleave(leaves[n], leaves[n].shape[0] // k)
   main = jax.tree.unflatten(plans[0].tree, leaves)
   return main if not opts.return_info else (main, info)
+
+
+def _fsdp_binding(binding, fsdp: _fsdp.Fsdp, args, kwargs, plans: list, info: bool):
+  """The binding of an FSDP call: its sharded parameters enter as their local shards (the other
+  non-batch arguments whole, as always), and their gradients leave as shards."""
+  specs = {}
+  fsdp.map_args(lambda x, layout: specs.setdefault(id(x), layout.spec), args, kwargs)
+
+  def in_spec(x, entry):
+    del entry
+    return specs.get(id(x)) if not isinstance(x, jax.ShapeDtypeStruct) else None
+
+  def out_specs(types):
+    # `_run` recorded the plan, then the FSDP plan with its gradients (`_fsdp.match_outputs`).
+    plan, matched = plans[0], plans[-1]
+    main = types[0] if info else types
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(main)]
+    prefix = "[0]" if info else ""
+    out = matched.out_specs(len(plan.like))
+    return {prefix + q: s for q, s in zip(paths, out, strict=True) if s is not None}
+
+  return binding._replace(state_specs=in_spec, out_specs=out_specs)
 
 
 def _global_k(opts: _scan.Options, pos, args, kwargs) -> int | None:
@@ -576,6 +633,8 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   opts = opts._replace(k=k)
   trips = _trips(opts.num_real, k, sized=opts.microbatch_size is not None)
   _batch.check_keys(args, pos.rngs)
+  if opts.fsdp is not None and not opts.fsdp.gathers_in_loop:  # gathered once, for the window
+    args, kwargs = opts.fsdp.gather(tuple(args), kwargs)
   if opts.axis.mode == "mapped" and opts.split == "contiguous" and opts.num_real is not None:
     raise ValueError(CONTIGUOUS_IN_MAP.format(axis=opts.axis.name))
   misplaced = _misplaced_rows(opts, pos, args, trips)
@@ -584,6 +643,10 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   plan = _plan(opts, pos, operands, state0, size)
   if record is not None:
     record(plan)
+  if opts.fsdp is not None:  # FSDP: which outputs are the sharded parameters' gradients
+    opts = opts._replace(fsdp=_fsdp.match_outputs(opts.fsdp, plan.tree.unflatten(plan.like)))
+    if record is not None:
+      record(opts.fsdp)
   return _poison(opts, plan, _scan.run(opts, pos, plan, state0, operands, trips), misplaced)
 
 

@@ -1,0 +1,416 @@
+"""FSDP with accumulation: what stays unsharded for a window, traded against communication.
+
+Where the parameters are sharded over a data-parallel axis (FSDP, ZeRO-3), a micro-batch needs
+them whole for its forward and backward pass and gives a whole-size gradient on each device,
+which the devices must sum. Across a window of ``k`` micro-batches there are three sensible
+points (``keep_unsharded``), each holding more memory for less communication:
+
+* ``"nothing"``: gather the parameters for every micro-batch and reduce-scatter its gradient
+  into an accumulator sharded like the parameters: ``k`` all-gathers + ``k`` reduce-scatters
+  per update (2k all-gathers where the backward pass gathers again, as under rematerialisation:
+  MaxText's and PyTorch FSDP2's default), no whole-size buffer kept between micro-batches;
+* ``"params"``: gather the parameters once per window and keep them, reduce-scatter each
+  micro-batch's gradient into the sharded accumulator: 1 all-gather + ``k`` reduce-scatters,
+  one whole parameter copy held for the window (PyTorch FSDP2's
+  ``set_reshard_after_backward(False)``; no JAX library offered it);
+* ``"params_and_grads"``: gathered parameters and a whole-size accumulator on each device for
+  the window, one reduce-scatter when it closes: 1 all-gather + 1 reduce-scatter, two whole
+  copies held (PyTorch FSDP2's ``set_requires_gradient_sync(False)`` with unsharded
+  parameters; MaxText's ZeRO-1 ``ZeroOneTransformer`` gathers once and all-reduces once).
+
+The data-parallel axes are bound by the front end (`_gspmd`), and a parameter is *FSDP* where
+its placement names one of them: it enters the bound function as its local shard (not gathered
+on entry, as other arguments are), and this module gathers it (`Layout.gather`: a tiled
+``all_gather`` over those axes, along those dimensions) and reduce-scatters its gradient
+(`Layout.scatter`: a tiled ``psum_scatter``), where the chosen point says. Axes that shard the
+parameters but not the batch (a tensor-parallel ``"model"`` axis) stay automatic. The gradient
+of a parameter is the output of `fun` whose subtree has that argument's structure and shapes
+(``jax.value_and_grad`` returns it so), found once per trace (`match_outputs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+KEEP_UNSHARDED: tuple[str, ...] = ("nothing", "params", "params_and_grads")
+
+NOT_VISIBLE = (
+  "{caller}: keep_unsharded={keep!r} needs to see which parameters are sharded over "
+  "axis_name={axis!r}, but argument {where} is traced under jax.jit on a mesh whose axes "
+  "{axes} are Auto: its placement is not part of its type there. Use Explicit axes for the "
+  "mesh (`jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)`, JAX's default), or call "
+  "the function on placed arrays outside jax.jit, or use TrainStep (which sees the arrays)."
+)
+
+NO_FSDP = (
+  "{caller}: keep_unsharded={keep!r} chooses what stays unsharded of parameters sharded over "
+  "the data-parallel axes axis_name={axis!r}, but no argument is sharded over them{found}. If "
+  "another mesh axis is an FSDP axis (the batch is split over it too), name it in axis_name, "
+  "e.g. axis_name={hint!r}; if it is a tensor-parallel axis there is nothing to gather: drop "
+  "keep_unsharded."
+)
+
+NO_GRADIENT = (
+  "{caller}: keep_unsharded={keep!r}: none of fun's outputs is the gradient of the sharded "
+  "argument {where} (an output subtree with its structure and shapes, as jax.value_and_grad "
+  "and jax.grad return it), so there is nothing to reduce-scatter. Return the gradient with "
+  "respect to the sharded parameters, or drop keep_unsharded."
+)
+
+AMBIGUOUS = (
+  "{caller}: keep_unsharded={keep!r}: fun's outputs {paths} all have the structure and shapes "
+  "of the sharded argument {where}, so which one is its gradient is ambiguous. Return the "
+  "gradient once (e.g. jax.value_and_grad's (value, grads)) and compute the other output "
+  "outside the micro-batched function."
+)
+
+
+def check_keep(value: Any, caller: str) -> str | None:
+  """`keep_unsharded`: None (as before: no FSDP treatment) or one of `KEEP_UNSHARDED`."""
+  if value is None or (isinstance(value, str) and value in KEEP_UNSHARDED):
+    return value
+  raise ValueError(
+    f"{caller}: keep_unsharded must be None or one of {KEEP_UNSHARDED}, got {value!r}: what "
+    "stays unsharded for a window of micro-batches (more memory held, less communication)."
+  )
+
+
+# ----------------------------------------------------------------------------------------------
+# One parameter's layout over the bound axes.
+
+
+class Layout(NamedTuple):
+  """Where one parameter is sharded over the bound (data-parallel) axes."""
+
+  dims: tuple[tuple[int, tuple[str, ...]], ...]  # (dimension, its bound axes, major first)
+  ndim: int
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    return tuple(a for _, names in self.dims for a in names)
+
+  @property
+  def spec(self) -> P:
+    """The spec of the local shard over the bound axes (shard_map's in and out spec)."""
+    entries: list[Any] = [None] * self.ndim
+    for d, names in self.dims:
+      entries[d] = names[0] if len(names) == 1 else names
+    return P(*entries)
+
+  def gather(self, x: jax.Array) -> jax.Array:
+    """The whole parameter from its local shard: one tiled all-gather per sharded dimension."""
+    for d, names in self.dims:
+      x = lax.all_gather(x, names if len(names) > 1 else names[0], axis=d, tiled=True)
+    return x
+
+  def scatter(self, x: jax.Array) -> jax.Array:
+    """This device's shard of the sum over the devices: one tiled reduce-scatter each."""
+
+    def scatter(y):
+      for d, names in self.dims:
+        y = lax.psum_scatter(y, names if len(names) > 1 else names[0], scatter_dimension=d,
+                             tiled=True)  # fmt: skip
+      return y
+
+    # On Explicit mesh axes other than the bound ones (a tensor-parallel "model"), the value's
+    # type carries their sharding, which JAX (0.10) cannot lower a reduce-scatter of: run it
+    # manual over those axes too, on the local blocks (no data moves over them).
+    spec = _explicit_spec(x)
+    if spec is None:
+      return scatter(x)
+    axes = {a for e in spec for a in _names(e)}
+    return jax.shard_map(scatter, in_specs=spec, out_specs=spec, axis_names=axes)(x)
+
+  def shard_shape(self, shape: tuple[int, ...], sizes: dict[str, int]) -> tuple[int, ...]:
+    out = list(shape)
+    for d, names in self.dims:
+      out[d] //= int(np.prod([sizes[a] for a in names]))
+    return tuple(out)
+
+
+def _explicit_spec(x: jax.Array) -> P | None:
+  """The spec of `x`'s type where it names mesh axes (Explicit ones), else None."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  return spec if spec is not None and any(_names(e) for e in spec) else None
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
+def placed_spec(x: Any, explicit: bool) -> P | None:
+  """`x`'s partition spec where it can be read: a placed array's (or a struct's) sharding, the
+  type of a traced array where the bound axes are Explicit; None where its placement is not
+  visible (traced, Auto axes); ``P()`` for host values."""
+  if isinstance(x, jax.core.Tracer):
+    return getattr(jax.typeof(x).sharding, "spec", P()) if explicit else None
+  sharding = getattr(x, "sharding", None)
+  return sharding.spec if isinstance(sharding, NamedSharding) else P()
+
+
+def layout_of(spec: P, ndim: int, axes: tuple[str, ...], where: str, caller: str) -> Layout | None:
+  """The `Layout` of a parameter placed with `spec` over the bound `axes`; None when none of
+  them shards it. A dimension split over a bound axis and another one raises."""
+  dims = []
+  for d, entry in enumerate(tuple(spec) + (None,) * (ndim - len(spec))):
+    names = _names(entry)
+    bound = tuple(a for a in names if a in axes)
+    if not bound:
+      continue
+    if len(bound) != len(names):
+      raise ValueError(
+        f"{caller}: {where} is sharded along dimension {d} over {entry!r}: both data-parallel "
+        f"axes {bound} and other axes. keep_unsharded gathers and reduce-scatters whole "
+        "dimensions over the data-parallel axes: split each dimension over those or over the "
+        "others, not both (e.g. P('data', 'model') for a matrix, not P(('data', 'model'), None))."
+      )
+    dims.append((d, bound))
+  return Layout(tuple(dims), ndim) if dims else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Which argument leaves are FSDP parameters; their gradients among fun's outputs.
+
+
+class Fsdp(NamedTuple):
+  """The FSDP plan of one call: the chosen point, the bound axes and their sizes, the layout of
+  each sharded argument leaf (by ``(argument key, leaf path)``) and of each output leaf that is
+  a gradient of one (by leaf index in fun's output, filled by `match_outputs`)."""
+
+  keep: str
+  axes: tuple[str, ...]
+  sizes: dict[str, int]
+  params: dict[tuple[Any, str], Layout]
+  whole: dict[Any, Any]  # each argument holding FSDP leaves, as structs of its whole shapes
+  outputs: dict[int, Layout]
+  caller: str
+
+  @property
+  def gathers_in_loop(self) -> bool:
+    return self.keep == "nothing"
+
+  @property
+  def scatters_in_loop(self) -> bool:
+    return self.keep != "params_and_grads"
+
+  def rest(self, layout: Layout) -> tuple[str, ...]:
+    """The bound axes a gradient's shard still varies over after its scatter: a plain sum."""
+    return tuple(a for a in self.axes if a not in layout.axes)
+
+  def map_args(self, f: Callable[[jax.Array, Layout], Any], args: tuple, kwargs: dict) -> Any:
+    """`f(leaf, layout)` on every FSDP leaf of ``(args, kwargs)``; other leaves as they are."""
+
+    def one(key, tree):
+      def leaf(path, x):
+        layout = self.params.get((key, jax.tree_util.keystr(path)))
+        return x if layout is None else f(x, layout)
+
+      return jax.tree_util.tree_map_with_path(leaf, tree)
+
+    return (
+      tuple(one(j, a) for j, a in enumerate(args)),
+      {name: one(name, a) for name, a in kwargs.items()},
+    )
+
+  def gather(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return self.map_args(lambda x, layout: layout.gather(x), args, kwargs)
+
+  def in_microbatch(self, args: list, kwargs: dict, i: Any) -> tuple[list, dict]:
+    """The arguments micro-batch `i` sees: with ``"nothing"`` the FSDP leaves gathered here,
+    for this micro-batch alone. The barrier ties the gather to the loop counter, so XLA cannot
+    hoist it out of the loop (it is loop-invariant) and keep the whole parameters alive across
+    micro-batches, which is the other point."""
+    if not self.gathers_in_loop:
+      return args, kwargs
+
+    def gather(x, layout):
+      x, _ = lax.optimization_barrier((x, i))
+      return layout.gather(x)
+
+    a, kw = self.map_args(gather, tuple(args), kwargs)
+    return list(a), kw
+
+  def out_specs(self, n_leaves: int) -> list[P | None]:
+    """Each output leaf's spec over the bound axes: a gradient's shard, else None."""
+    return [self.outputs[n].spec if n in self.outputs else None for n in range(n_leaves)]
+
+
+def plan(keep: str, axis: Any, args: tuple, kwargs: dict, batch: dict, caller: str) -> Fsdp:
+  """The FSDP leaves of a call's non-batch arguments (`batch`: the batch arguments' keys) over
+  the axis `axis` (a `_gspmd.Axis` to bind), read from their placements.
+
+  Raises:
+    ValueError: `NOT_VISIBLE` for a traced argument on Auto axes; `NO_FSDP` when no argument
+      is sharded over the axes.
+  """
+  axes, mesh = axis.names, axis.mesh
+  sizes = {a: int(mesh.shape[a]) for a in axes}
+  explicit = all(t == AxisType.Explicit for n, t in zip(mesh.axis_names, mesh.axis_types,
+                                                         strict=True) if n in axes)  # fmt: skip
+  params: dict[tuple[Any, str], Layout] = {}
+  others: set[str] = set()
+  shapes: dict[Any, Any] = {}
+  items = [*enumerate(args), *kwargs.items()]
+  for key, tree in items:
+    if key in batch:
+      continue
+    for path, x in jax.tree_util.tree_leaves_with_path(tree):
+      if not hasattr(x, "shape") or not np.ndim(x):
+        continue
+      spec = placed_spec(x, explicit)
+      where = f"{key}{jax.tree_util.keystr(path)}"
+      if spec is None:
+        raise ValueError(
+          NOT_VISIBLE.format(caller=caller, keep=keep, axis=axis.name, where=where, axes=axes)
+        )
+      layout = layout_of(spec, np.ndim(x), axes, f"argument {where}", caller)
+      others |= {a for e in spec for a in _names(e) if a not in axes}
+      if layout is not None:
+        params[(key, jax.tree_util.keystr(path))] = layout
+        shapes.setdefault(key, tree)
+  if not params:
+    found = f" (they are sharded over {tuple(sorted(others))} only)" if others else ""
+    hint = tuple(axes) + tuple(sorted(others))[:1]
+    raise ValueError(
+      NO_FSDP.format(caller=caller, keep=keep, axis=axis.name, found=found, hint=hint)
+    )
+  whole = {key: jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)), t)
+           for key, t in shapes.items()}  # fmt: skip
+  return Fsdp(keep, tuple(axes), sizes, params, whole, {}, caller)
+
+
+def match_outputs(fsdp: Fsdp, out_t: Any) -> Fsdp:
+  """`fsdp` with the layout of each output leaf that is the gradient of an FSDP leaf: the
+  output subtree with the structure and the (whole) shapes of the argument holding it.
+
+  Raises:
+    ValueError: `AMBIGUOUS` when two output subtrees match one argument; `NO_GRADIENT` when
+      none matches any FSDP argument.
+  """
+  out_leaves = jax.tree_util.tree_leaves_with_path(out_t)
+  out_paths = [tuple(p) for p, _ in out_leaves]
+  index = {p: n for n, p in enumerate(out_paths)}
+  outputs: dict[int, Layout] = {}
+  for key in sorted({k for k, _ in fsdp.params}, key=str):
+    leaves = [(tuple(p), x) for p, x in jax.tree_util.tree_leaves_with_path(fsdp.whole[key])]
+    if not leaves:
+      continue
+    found = _subtrees(leaves, out_leaves, index)
+    if len(found) > 1:
+      paths = [jax.tree_util.keystr(q) or "(the whole output)" for q in found]
+      raise ValueError(AMBIGUOUS.format(caller=fsdp.caller, keep=fsdp.keep, paths=paths,
+                                        where=key))  # fmt: skip
+    if not found:
+      continue
+    prefix = found[0]
+    for p, _ in leaves:
+      layout = fsdp.params.get((key, jax.tree_util.keystr(p)))
+      if layout is not None:
+        outputs[index[prefix + p]] = layout
+  if not outputs:
+    where = ", ".join(str(k) for k in sorted({k for k, _ in fsdp.params}, key=str))
+    raise ValueError(NO_GRADIENT.format(caller=fsdp.caller, keep=fsdp.keep, where=where))
+  return fsdp._replace(outputs=outputs)
+
+
+def _subtrees(leaves: list, out_leaves: list, index: dict) -> list[tuple]:
+  """The output path prefixes under which every leaf of an argument (`leaves`: its paths and
+  values) appears with its whole shape, and nothing else."""
+  first, rest = leaves[0], leaves[1:]
+  found = []
+  for path, t in out_leaves:
+    path = tuple(path)
+    if len(path) < len(first[0]) or path[len(path) - len(first[0]) :] != first[0]:
+      continue
+    prefix = path[: len(path) - len(first[0])]
+    if np.shape(t) != tuple(first[1].shape):
+      continue
+    if all(
+      prefix + p in index and np.shape(out_leaves[index[prefix + p]][1]) == tuple(x.shape)
+      for p, x in rest
+    ):
+      under = sum(1 for q in index if q[: len(prefix)] == prefix)
+      if under == len(leaves):
+        found.append(prefix)
+  return found
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop's side (`_scan`): the accumulator of a gradient, sharded or whole, and its reduction.
+
+
+def _positions(fsdp: Fsdp | None, where: tuple[int, ...]) -> list[Layout | None]:
+  """The layout of each accumulated output leaf (`where`: their indices in fun's output)."""
+  return [None if fsdp is None else fsdp.outputs.get(n) for n in where]
+
+
+def shard_carry(fsdp: Fsdp | None, zeros: list, where: tuple[int, ...]) -> list:
+  """The initial sums: a gradient that is reduce-scattered in the loop accumulates as this
+  device's shard (its bound dimensions divided), every other leaf as it was made."""
+  if fsdp is None or not fsdp.scatters_in_loop:
+    return zeros
+  out = []
+  for z, layout in zip(zeros, _positions(fsdp, where), strict=True):
+    if layout is not None:
+      z = lax.slice(z, (0,) * z.ndim, layout.shard_shape(z.shape, fsdp.sizes))
+    out.append(z)
+  return out
+
+
+def add_inputs(fsdp: Fsdp | None, sums: list, values: list, where: tuple[int, ...]) -> list:
+  """What `_core.add` adds each micro-batch into: zeros of the whole gradient where it is
+  reduce-scattered in the loop (`add_outputs` then scatters the weighted, checked micro-batch
+  and adds its shard), the sums themselves elsewhere."""
+  if fsdp is None or not fsdp.scatters_in_loop:
+    return sums
+  layouts = _positions(fsdp, where)
+  return [
+    s if layout is None else jnp.zeros_like(v, dtype=s.dtype)
+    for s, v, layout in zip(sums, values, layouts, strict=True)
+  ]
+
+
+def add_outputs(fsdp: Fsdp | None, old: list, added: list, where: tuple[int, ...]) -> list:
+  """The new sums: ``old + scatter(w·g)`` for a gradient reduce-scattered in the loop. The
+  weight and the finite check were applied per device before the scatter, so each device's
+  piece of the micro-batch counts (or is dropped) as without keep_unsharded."""
+  if fsdp is None or not fsdp.scatters_in_loop:
+    return added
+  layouts = _positions(fsdp, where)
+  return [
+    a if layout is None else o + layout.scatter(a)
+    for o, a, layout in zip(old, added, layouts, strict=True)
+  ]
+
+
+def pull(fsdp: Fsdp | None, sums: list, where: tuple[int, ...]) -> tuple[list, dict[int, Any]]:
+  """Splits the loop's sums into those the usual all-reduce takes and the gradients of FSDP
+  parameters, reduced here once, after the loop: a shard already reduced over its axes is
+  summed over the other bound axes only; a whole gradient (``"params_and_grads"``) is
+  reduce-scattered, then summed over the others. Returns ``(rest, {position: reduced})``."""
+  if fsdp is None:
+    return sums, {}
+  rest, done = [], {}
+  for i, (s, layout) in enumerate(zip(sums, _positions(fsdp, where), strict=True)):
+    if layout is None:
+      rest.append(s)
+      continue
+    if not fsdp.scatters_in_loop:
+      s = layout.scatter(s)
+    others = fsdp.rest(layout)
+    done[i] = lax.psum(s, others) if others else s
+  return rest, done
+
+
+def put_back(rest: list, done: dict[int, Any]) -> list:
+  """The inverse of `pull`: the reduced leaves back in their positions."""
+  others = iter(rest)
+  return [done[i] if i in done else next(others) for i in range(len(rest) + len(done))]
