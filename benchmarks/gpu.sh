@@ -7,8 +7,9 @@
 # price of the reduction overlapped with the last backward pass — compile seconds and time per
 # micro-step against the closing program, on the GPUs when several are lent, else on 8 host CPU
 # devices — and the byte LM's final loss with each accumulator), then the language model's
-# tokens/s at a size that keeps the GPU busy. Writes benchmarks/results/gpu/ (bench tables and
-# plots, compile.md, accel.md, lm/).
+# tokens/s at a size that keeps the GPU busy, and FSDP's three points (time per update, collectives,
+# memory: fsdp.md). Writes benchmarks/results/gpu/ (bench tables and plots, compile.md, accel.md,
+# lm/, fsdp.md).
 #
 #   bash benchmarks/gpu.sh             # on the GPU machine, from a clone with .[dev] installed
 #   bash benchmarks/gpu.sh --dry-run   # anywhere (CPU): tiny sizes, into benchmarks/results/tmp/
@@ -51,6 +52,11 @@ bench=("${limit[@]}" python benchmarks/bench.py --scale "$scale"
 accel_run=("${accel_limit[@]}" python benchmarks/accel.py "${accel[@]}"
   --only microstep,fusion,overlap,lm --out "$out")
 lm_run=("${lm_limit[@]}" python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm")
+# FSDP's three points (benchmarks/fsdp.py): on the GPUs when 8 are lent, else on 8 host CPU
+# devices; its quick sizes in the dry run (9 small programs).
+fsdp_quick=()
+[[ "$scale" == gpu_dry_run ]] && fsdp_quick=(--quick)
+fsdp_run=("${lm_limit[@]}" python benchmarks/fsdp.py "${fsdp_quick[@]}" --out "$out")
 if [[ "$scale" == gpu_dry_run ]]; then
   # The three phases at once: each is mostly single-threaded XLA compilation.
   "${bench[@]}" &
@@ -63,9 +69,11 @@ if [[ "$scale" == gpu_dry_run ]]; then
   fi
   wait "$bench_pid"
   wait "$accel_pid"
+  "${fsdp_run[@]}"
 else
   "${bench[@]}"
   "${accel_run[@]}"
   "${lm_run[@]}"
+  "${fsdp_run[@]}"
 fi
 echo "gpu.sh: done in $((SECONDS - start)) s -> $out"

@@ -83,6 +83,32 @@ def check_keep(value: Any, caller: str) -> str | None:
   )
 
 
+KEEP_IN_MAP = (
+  "microbatch: keep_unsharded is the choice of what microbatch gathers and reduce-scatters where "
+  "it binds axis_name={axis!r} itself (under plain jax.jit); inside a map that binds it, the "
+  "parameters arrive as your map splits them and your function gathers them. Call microbatch "
+  "under plain jax.jit with the mesh in effect (jax.set_mesh), or drop keep_unsharded."
+)
+
+
+def check_options(keep: Any, axis_name: Any, noise_scale: Any) -> str | None:
+  """`keep_unsharded` (FSDP): checked, with what it needs (an axis) and refuses (noise_scale)."""
+  keep = check_keep(keep, "microbatch")
+  if keep is not None and axis_name is None:
+    raise ValueError(
+      f"microbatch: keep_unsharded={keep!r} needs axis_name: the data-parallel mesh axes the "
+      "batch is split over, some of which shard the parameters (FSDP), e.g. "
+      "axis_name='data' for parameters sharded over 'data', or ('data', 'fsdp')."
+    )
+  if keep is not None and noise_scale is not None:
+    raise ValueError(
+      f"microbatch: keep_unsharded={keep!r} with noise_scale is not supported: the window's "
+      "|mean gradient|^2 would be read from one shard of each sharded gradient. Measure the "
+      "noise scale without keep_unsharded (e.g. on a separate step), or use TrainStep/accumulate."
+    )
+  return keep
+
+
 # ----------------------------------------------------------------------------------------------
 # One parameter's layout over the bound axes.
 
@@ -414,3 +440,29 @@ def put_back(rest: list, done: dict[int, Any]) -> list:
   """The inverse of `pull`: the reduced leaves back in their positions."""
   others = iter(rest)
   return [done[i] if i in done else next(others) for i in range(len(rest) + len(done))]
+
+
+# ----------------------------------------------------------------------------------------------
+# The binding (`_gspmd`): sharded parameters in as shards, their gradients out as shards.
+
+
+def binding(binding, fsdp: Fsdp, args, kwargs, plans: list, info: bool):
+  """The binding of an FSDP call: its sharded parameters enter as their local shards (the other
+  non-batch arguments whole, as always), and their gradients leave as shards."""
+  specs = {}
+  fsdp.map_args(lambda x, layout: specs.setdefault(id(x), layout.spec), args, kwargs)
+
+  def in_spec(x, entry):
+    del entry
+    return specs.get(id(x)) if not isinstance(x, jax.ShapeDtypeStruct) else None
+
+  def out_specs(types):
+    # `_run` recorded the plan, then the FSDP plan with its gradients (`_fsdp.match_outputs`).
+    plan, matched = plans[0], plans[-1]
+    main = types[0] if info else types
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(main)]
+    prefix = "[0]" if info else ""
+    out = matched.out_specs(len(plan.like))
+    return {prefix + q: s for q, s in zip(paths, out, strict=True) if s is not None}
+
+  return binding._replace(state_specs=in_spec, out_specs=out_specs)

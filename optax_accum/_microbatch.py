@@ -368,6 +368,22 @@ def microbatch(
       (``1 < unroll < k``) still runs a loop, convolutions as slow. Needs a trip count known
       when tracing: a traced `num_real_microbatches` (a while loop) raises with any unroll
       but 1.
+    keep_unsharded: FSDP (parameters sharded over a data-parallel axis named in `axis_name`),
+      under plain `jax.jit`: what stays unsharded for the window, more memory held for less
+      communication. None (the default): as without it (such parameters are gathered on entry
+      and their gradients all-reduced). ``"nothing"``: each micro-batch gathers the
+      parameters and reduce-scatters its gradient into an accumulator sharded like them
+      (``L·k`` all-gathers and ``L·k`` reduce-scatters for ``L`` sharded parameters: least
+      memory). ``"params"``: gathered once, kept for the window, each micro-batch's gradient
+      reduce-scattered (``L`` + ``L·k``). ``"params_and_grads"``: gathered once, a
+      whole-size accumulator on each device, one reduce-scatter after the loop (``L`` +
+      ``L``). The gradients of the sharded parameters come back sharded like them (the
+      output of `fun` whose structure and shapes are the parameters', as
+      ``jax.value_and_grad`` returns it); weights, `skip_nonfinite` (each device's piece, as
+      without it), keys and state as without it. Needs `axis_name` with the axes the batch
+      is split over (``("data", "fsdp")`` on a `data × fsdp` mesh) and placements it can read
+      (placed arrays, or Explicit mesh axes under `jax.jit`); not with `noise_scale`, nor
+      inside a map that binds the axis. `plan_microbatches` chooses among the three.
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above
@@ -412,7 +428,7 @@ def microbatch(
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
-  keep_unsharded = _check_keep(keep_unsharded, axis_name, noise_scale)
+  keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, noise_scale)
   opts = _scan.Options(
     fun=fun,
     k=k,
@@ -445,36 +461,10 @@ def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
   """One call of a `microbatch` function on arrays: the axis resolved, then bound or run."""
   axis = _gspmd.resolve_axis(opts.axis_name, opts.mesh, "microbatch")
   if axis.mode == "mapped" and opts.keep_unsharded is not None:
-    raise ValueError(KEEP_IN_MAP.format(axis=opts.axis_name))
+    raise ValueError(_fsdp.KEEP_IN_MAP.format(axis=opts.axis_name))
   if axis.mode == "unbound":
     return _bind(opts._replace(axis=axis), args, kwargs)
   return _run(opts._replace(axis=axis), args, kwargs)
-
-
-KEEP_IN_MAP = (
-  "microbatch: keep_unsharded is the choice of what microbatch gathers and reduce-scatters where "
-  "it binds axis_name={axis!r} itself (under plain jax.jit); inside a map that binds it, the "
-  "parameters arrive as your map splits them and your function gathers them. Call microbatch "
-  "under plain jax.jit with the mesh in effect (jax.set_mesh), or drop keep_unsharded."
-)
-
-
-def _check_keep(keep: Any, axis_name: Any, noise_scale: Any) -> str | None:
-  """`keep_unsharded` (FSDP): checked, with what it needs (an axis) and refuses (noise_scale)."""
-  keep = _fsdp.check_keep(keep, "microbatch")
-  if keep is not None and axis_name is None:
-    raise ValueError(
-      f"microbatch: keep_unsharded={keep!r} needs axis_name: the data-parallel mesh axes the "
-      "batch is split over, some of which shard the parameters (FSDP), e.g. "
-      "axis_name='data' for parameters sharded over 'data', or ('data', 'fsdp')."
-    )
-  if keep is not None and noise_scale is not None:
-    raise ValueError(
-      f"microbatch: keep_unsharded={keep!r} with noise_scale is not supported: the window's "
-      "|mean gradient|^2 would be read from one shard of each sharded gradient. Measure the "
-      "noise scale without keep_unsharded (e.g. on a separate step), or use TrainStep/accumulate."
-    )
-  return keep
 
 
 def _private_options(
@@ -565,7 +555,7 @@ def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
   if opts.keep_unsharded is not None:  # FSDP: sharded parameters enter as their shards
     fsdp = _fsdp.plan(opts.keep_unsharded, opts.axis, args, kwargs, pos.axis_of(), "microbatch")
     inner = inner._replace(fsdp=fsdp)
-    binding = _fsdp_binding(binding, fsdp, args, kwargs, plans, opts.return_info)
+    binding = _fsdp.binding(binding, fsdp, args, kwargs, plans, opts.return_info)
   fun = functools.partial(_run_kw, inner, plans.append)
   out = _gspmd.run_bound(fun, binding, pos, args, kwargs)
   if inner.split == opts.split:
@@ -577,28 +567,6 @@ def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     leaves[n] = _batch.interleave(leaves[n], leaves[n].shape[0] // k)
   main = jax.tree.unflatten(plans[0].tree, leaves)
   return main if not opts.return_info else (main, info)
-
-
-def _fsdp_binding(binding, fsdp: _fsdp.Fsdp, args, kwargs, plans: list, info: bool):
-  """The binding of an FSDP call: its sharded parameters enter as their local shards (the other
-  non-batch arguments whole, as always), and their gradients leave as shards."""
-  specs = {}
-  fsdp.map_args(lambda x, layout: specs.setdefault(id(x), layout.spec), args, kwargs)
-
-  def in_spec(x, entry):
-    del entry
-    return specs.get(id(x)) if not isinstance(x, jax.ShapeDtypeStruct) else None
-
-  def out_specs(types):
-    # `_run` recorded the plan, then the FSDP plan with its gradients (`_fsdp.match_outputs`).
-    plan, matched = plans[0], plans[-1]
-    main = types[0] if info else types
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(main)]
-    prefix = "[0]" if info else ""
-    out = matched.out_specs(len(plan.like))
-    return {prefix + q: s for q, s in zip(paths, out, strict=True) if s is not None}
-
-  return binding._replace(state_specs=in_spec, out_specs=out_specs)
 
 
 def _global_k(opts: _scan.Options, pos, args, kwargs) -> int | None:

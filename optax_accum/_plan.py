@@ -144,6 +144,15 @@ def plan_microbatches(
   memory; the returned ``k`` fits and the next smaller divisor (when there is one) was compiled
   and does not.
 
+  FSDP: with ``keep_unsharded`` a sequence of points (e.g. ``("nothing", "params",
+  "params_and_grads")``, see `microbatch`), it answers which point and which ``k`` communicate
+  least within the budget: for each point the fewest micro-batches that fit (as above), then
+  the bytes each device sends per update in that compiled program (every all-gather,
+  reduce-scatter and all-reduce of its HLO, those in the loop times its trip count; ring
+  algorithms), never from trial runs. The point that sends least wins (ties: the smaller
+  peak); ``plan.keep_unsharded`` is it, ``plan.points`` maps each point that fits to
+  ``(k, peak bytes, bytes sent per update)``.
+
   Args:
     fun: the function to micro-batch, as for `microbatch`.
     *args: its positional arguments: arrays, or `jax.ShapeDtypeStruct`s so the full batch
