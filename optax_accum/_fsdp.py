@@ -40,14 +40,20 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from optax_accum import _noise
+
 KEEP_UNSHARDED: tuple[str, ...] = ("nothing", "params", "params_and_grads")
 
 NOT_VISIBLE = (
   "{caller}: keep_unsharded={keep!r} needs to see which parameters are sharded over "
   "axis_name={axis!r}, but argument {where} is traced under jax.jit on a mesh whose axes "
-  "{axes} are Auto: its placement is not part of its type there. Use Explicit axes for the "
-  "mesh (`jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)`, JAX's default), or call "
-  "the function on placed arrays outside jax.jit, or use TrainStep (which sees the arrays)."
+  "{axes} are Auto: its placement is not part of its type there (XLA decides it later). Say "
+  "it: pass the shardings you give jax.jit as in_shardings= here too, e.g.\n\n"
+  "    shardings = ({{'w': NamedSharding(mesh, P('data'))}}, NamedSharding(mesh, P('data')))\n"
+  "    step = jax.jit(microbatch(..., keep_unsharded={keep!r}, in_shardings=shardings),\n"
+  "                   in_shardings=shardings)\n\n"
+  "or use Explicit axes for the mesh (`jax.make_mesh(..., axis_types=(AxisType.Explicit,) * n)`), "
+  "or call the function on placed arrays outside jax.jit."
 )
 
 NO_FSDP = (
@@ -91,22 +97,76 @@ KEEP_IN_MAP = (
 )
 
 
-def check_options(keep: Any, axis_name: Any, noise_scale: Any) -> str | None:
-  """`keep_unsharded` (FSDP): checked, with what it needs (an axis) and refuses (noise_scale)."""
+class Request(NamedTuple):
+  """`microbatch`'s FSDP options, checked: the point, and the placements it was told
+  (``in_shardings``: one entry per positional argument, as `jax.jit` takes them) or None."""
+
+  keep: str
+  in_shardings: tuple | None
+
+
+def check_options(keep: Any, axis_name: Any, in_shardings: Any) -> Request | None:
+  """`keep_unsharded` (FSDP) and `in_shardings`: checked, with what they need (an axis)."""
   keep = check_keep(keep, "microbatch")
-  if keep is not None and axis_name is None:
+  if keep is None:
+    if in_shardings is not None:
+      raise ValueError(
+        "microbatch: in_shardings tells keep_unsharded where the parameters are placed; "
+        f"without keep_unsharded it is not read, got in_shardings={in_shardings!r}. Drop it, "
+        "or choose a keep_unsharded point."
+      )
+    return None
+  if axis_name is None:
     raise ValueError(
       f"microbatch: keep_unsharded={keep!r} needs axis_name: the data-parallel mesh axes the "
       "batch is split over, some of which shard the parameters (FSDP), e.g. "
       "axis_name='data' for parameters sharded over 'data', or ('data', 'fsdp')."
     )
-  if keep is not None and noise_scale is not None:
+  if in_shardings is not None:
+    if not isinstance(in_shardings, tuple | list):
+      raise TypeError(
+        "microbatch: in_shardings must be a tuple with one entry per positional argument (as "
+        f"jax.jit's in_shardings), got {type(in_shardings).__name__}: {in_shardings!r}."
+      )
+    for path, s in jax.tree_util.tree_leaves_with_path(in_shardings, is_leaf=_is_spec):
+      if not _is_spec(s):
+        raise TypeError(
+          f"microbatch: in_shardings{jax.tree_util.keystr(path)} is {s!r}; each entry must "
+          "be None, a PartitionSpec, a NamedSharding or a pytree prefix of them."
+        )
+    in_shardings = tuple(in_shardings)
+  return Request(keep, in_shardings)
+
+
+def _is_spec(x: Any) -> bool:
+  return isinstance(x, P | NamedSharding)
+
+
+def _given_specs(request: Request, args: tuple, caller: str) -> dict[tuple[Any, str], P]:
+  """The specs `in_shardings` gives, by ``(argument index, leaf path)``."""
+  given = request.in_shardings
+  if given is None:
+    return {}
+  if len(given) != len(args):
     raise ValueError(
-      f"microbatch: keep_unsharded={keep!r} with noise_scale is not supported: the window's "
-      "|mean gradient|^2 would be read from one shard of each sharded gradient. Measure the "
-      "noise scale without keep_unsharded (e.g. on a separate step), or use TrainStep/accumulate."
+      f"{caller}: in_shardings has {len(given)} entries but the function was called with "
+      f"{len(args)} positional arguments: give one entry per argument (None where the "
+      "placement can be read, or for the batch), as jax.jit's in_shardings."
     )
-  return keep
+  out: dict[tuple[Any, str], P] = {}
+  for j, (entry, arg) in enumerate(zip(given, args, strict=True)):
+
+    def one(path, s, sub, j=j):
+      for p, _ in jax.tree_util.tree_leaves_with_path(sub):
+        out[(j, jax.tree_util.keystr((*path, *p)))] = s.spec if isinstance(s, NamedSharding) else s
+
+    try:
+      jax.tree_util.tree_map_with_path(one, entry, arg, is_leaf=lambda x: x is None or _is_spec(x))
+    except ValueError as e:
+      raise ValueError(
+        f"{caller}: in_shardings[{j}] is not a pytree prefix of argument {j}: {e}"
+      ) from None
+  return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,6 +178,7 @@ class Layout(NamedTuple):
 
   dims: tuple[tuple[int, tuple[str, ...]], ...]  # (dimension, its bound axes, major first)
   ndim: int
+  other: P = P()  # its spec over the other mesh axes (tensor-parallel "model"), if any
 
   @property
   def axes(self) -> tuple[str, ...]:
@@ -146,10 +207,14 @@ class Layout(NamedTuple):
                              tiled=True)  # fmt: skip
       return y
 
-    # On Explicit mesh axes other than the bound ones (a tensor-parallel "model"), the value's
-    # type carries their sharding, which JAX (0.10) cannot lower a reduce-scatter of: run it
-    # manual over those axes too, on the local blocks (no data moves over them).
+    # On mesh axes other than the bound ones (a tensor-parallel "model"), run it manual over
+    # those axes too, on the local blocks (no data moves over them): on Explicit axes the
+    # value's type carries their sharding, which JAX (0.10) cannot lower a reduce-scatter of;
+    # on Auto axes GSPMD would otherwise scatter the whole gradient, gathered over "model"
+    # (twice the bytes, measured on data × model).
     spec = _explicit_spec(x)
+    if spec is None and any(_names(e) for e in self.other):
+      spec = self.other
     if spec is None:
       return scatter(x)
     axes = {a for e in spec for a in _names(e)}
@@ -185,10 +250,11 @@ def placed_spec(x: Any, explicit: bool) -> P | None:
 def layout_of(spec: P, ndim: int, axes: tuple[str, ...], where: str, caller: str) -> Layout | None:
   """The `Layout` of a parameter placed with `spec` over the bound `axes`; None when none of
   them shards it. A dimension split over a bound axis and another one raises."""
-  dims = []
+  dims, other = [], []
   for d, entry in enumerate(tuple(spec) + (None,) * (ndim - len(spec))):
     names = _names(entry)
     bound = tuple(a for a in names if a in axes)
+    other.append(None if bound or not names else entry)
     if not bound:
       continue
     if len(bound) != len(names):
@@ -199,7 +265,7 @@ def layout_of(spec: P, ndim: int, axes: tuple[str, ...], where: str, caller: str
         "others, not both (e.g. P('data', 'model') for a matrix, not P(('data', 'model'), None))."
       )
     dims.append((d, bound))
-  return Layout(tuple(dims), ndim) if dims else None
+  return Layout(tuple(dims), ndim, P(*other)) if dims else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,14 +335,16 @@ class Fsdp(NamedTuple):
     return [self.outputs[n].spec if n in self.outputs else None for n in range(n_leaves)]
 
 
-def plan(keep: str, axis: Any, args: tuple, kwargs: dict, batch: dict, caller: str) -> Fsdp:
+def plan(request: Request, axis: Any, args: tuple, kwargs: dict, batch: dict, caller: str) -> Fsdp:
   """The FSDP leaves of a call's non-batch arguments (`batch`: the batch arguments' keys) over
-  the axis `axis` (a `_gspmd.Axis` to bind), read from their placements.
+  the axis `axis` (a `_gspmd.Axis` to bind): as ``request.in_shardings`` says, else read from
+  their placements.
 
   Raises:
-    ValueError: `NOT_VISIBLE` for a traced argument on Auto axes; `NO_FSDP` when no argument
-      is sharded over the axes.
+    ValueError: `NOT_VISIBLE` for a traced argument on Auto axes that `in_shardings` does not
+      place; `NO_FSDP` when no argument is sharded over the axes.
   """
+  keep, given = request.keep, _given_specs(request, args, caller)
   axes, mesh = axis.names, axis.mesh
   sizes = {a: int(mesh.shape[a]) for a in axes}
   explicit = all(t == AxisType.Explicit for n, t in zip(mesh.axis_names, mesh.axis_types,
@@ -291,7 +359,8 @@ def plan(keep: str, axis: Any, args: tuple, kwargs: dict, batch: dict, caller: s
     for path, x in jax.tree_util.tree_leaves_with_path(tree):
       if not hasattr(x, "shape") or not np.ndim(x):
         continue
-      spec = placed_spec(x, explicit)
+      spec = given.get((key, jax.tree_util.keystr(path)))
+      spec = placed_spec(x, explicit) if spec is None else spec
       where = f"{key}{jax.tree_util.keystr(path)}"
       if spec is None:
         raise ValueError(
@@ -313,15 +382,16 @@ def plan(keep: str, axis: Any, args: tuple, kwargs: dict, batch: dict, caller: s
   return Fsdp(keep, tuple(axes), sizes, params, whole, {}, caller)
 
 
-def match_outputs(fsdp: Fsdp, out_t: Any) -> Fsdp:
+def match_outputs(fsdp: Fsdp, plan: Any, record: Callable | None = None) -> Fsdp:
   """`fsdp` with the layout of each output leaf that is the gradient of an FSDP leaf: the
-  output subtree with the structure and the (whole) shapes of the argument holding it.
+  output subtree with the structure and the (whole) shapes of the argument holding it (`plan`:
+  the call's `_outputs.Plan`); handed to `record` too (the binding's output specs read it).
 
   Raises:
     ValueError: `AMBIGUOUS` when two output subtrees match one argument; `NO_GRADIENT` when
       none matches any FSDP argument.
   """
-  out_leaves = jax.tree_util.tree_leaves_with_path(out_t)
+  out_leaves = jax.tree_util.tree_leaves_with_path(plan.tree.unflatten(plan.like))
   out_paths = [tuple(p) for p, _ in out_leaves]
   index = {p: n for n, p in enumerate(out_paths)}
   outputs: dict[int, Layout] = {}
@@ -344,7 +414,10 @@ def match_outputs(fsdp: Fsdp, out_t: Any) -> Fsdp:
   if not outputs:
     where = ", ".join(str(k) for k in sorted({k for k, _ in fsdp.params}, key=str))
     raise ValueError(NO_GRADIENT.format(caller=fsdp.caller, keep=fsdp.keep, where=where))
-  return fsdp._replace(outputs=outputs)
+  fsdp = fsdp._replace(outputs=outputs)
+  if record is not None:
+    record(fsdp)
+  return fsdp
 
 
 def _subtrees(leaves: list, out_leaves: list, index: dict) -> list[tuple]:
@@ -434,6 +507,23 @@ def pull(fsdp: Fsdp | None, sums: list, where: tuple[int, ...]) -> tuple[list, d
     others = fsdp.rest(layout)
     done[i] = lax.psum(s, others) if others else s
   return rest, done
+
+
+def shards_sq(fsdp: Fsdp | None, done: dict[int, Any], where: tuple[int, ...], picked) -> Any:
+  """The noise scale's ``|Σ wᵢgᵢ|²`` part of the FSDP gradients among `picked` (the gradient's
+  output indices), as one device's term of the one all-reduce after the loop (`_scan._finish`):
+  its shards' squared norms (`done`: `pull`'s reduced shards, by position in `where`), divided
+  by the devices of the bound axes that hold the same shard (the all-reduce counts it once per
+  device). A scalar; None without FSDP gradients among them (no parameter-sized memory: each
+  shard is read once)."""
+  if fsdp is None or not picked:
+    return None
+  parts = []
+  for i, n in enumerate(where):
+    if n in picked and i in done and n in fsdp.outputs:
+      copies = int(np.prod([fsdp.sizes[a] for a in fsdp.rest(fsdp.outputs[n])]))
+      parts.append(_noise.sq_norm(done[i]) / copies)
+  return sum(parts) if parts else None
 
 
 def put_back(rest: list, done: dict[int, Any]) -> list:

@@ -197,6 +197,7 @@ def microbatch(
   mesh: Any = None,
   unroll: int | bool = 1,
   keep_unsharded: str | None = None,
+  in_shardings: Any = None,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -370,20 +371,20 @@ def microbatch(
       but 1.
     keep_unsharded: FSDP (parameters sharded over a data-parallel axis named in `axis_name`),
       under plain `jax.jit`: what stays unsharded for the window, more memory held for less
-      communication. None (the default): as without it (such parameters are gathered on entry
-      and their gradients all-reduced). ``"nothing"``: each micro-batch gathers the
-      parameters and reduce-scatters its gradient into an accumulator sharded like them
-      (``L·k`` all-gathers and ``L·k`` reduce-scatters for ``L`` sharded parameters: least
-      memory). ``"params"``: gathered once, kept for the window, each micro-batch's gradient
-      reduce-scattered (``L`` + ``L·k``). ``"params_and_grads"``: gathered once, a
-      whole-size accumulator on each device, one reduce-scatter after the loop (``L`` +
-      ``L``). The gradients of the sharded parameters come back sharded like them (the
-      output of `fun` whose structure and shapes are the parameters', as
-      ``jax.value_and_grad`` returns it); weights, `skip_nonfinite` (each device's piece, as
-      without it), keys and state as without it. Needs `axis_name` with the axes the batch
-      is split over (``("data", "fsdp")`` on a `data × fsdp` mesh) and placements it can read
-      (placed arrays, or Explicit mesh axes under `jax.jit`); not with `noise_scale`, nor
-      inside a map that binds the axis. `plan_microbatches` chooses among the three.
+      communication (``L`` sharded parameters). None (the default): as without it (gathered on
+      entry, gradients all-reduced). ``"nothing"``: each micro-batch gathers them and
+      reduce-scatters its gradient into an accumulator sharded like them (``L·k`` + ``L·k``).
+      ``"params"``: gathered once for the window, each micro-batch reduce-scattered (``L`` +
+      ``L·k``). ``"params_and_grads"``: gathered once, a whole accumulator on each device, one
+      reduce-scatter after the loop (``L`` + ``L``). Their gradients (the output with their
+      structure and shapes, as ``jax.value_and_grad`` returns it) come back sharded like them;
+      weights, `skip_nonfinite`, keys, state and `noise_scale` as without it. `axis_name` names
+      every axis the batch is split over (``("data", "fsdp")``); not inside a map that binds
+      it. `plan_microbatches` chooses among the three.
+    in_shardings: with `keep_unsharded`, where the arguments are placed when a traced argument
+      does not say (Auto mesh axes under `jax.jit`): the tuple given to `jax.jit`'s
+      ``in_shardings`` (one entry per positional argument: None, a `PartitionSpec`, a
+      `NamedSharding`, or a pytree prefix of them; batch entries are not read).
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above
@@ -428,7 +429,7 @@ def microbatch(
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
-  keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, noise_scale)
+  keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, in_shardings)
   opts = _scan.Options(
     fun=fun,
     k=k,
@@ -612,9 +613,7 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   if record is not None:
     record(plan)
   if opts.fsdp is not None:  # FSDP: which outputs are the sharded parameters' gradients
-    opts = opts._replace(fsdp=_fsdp.match_outputs(opts.fsdp, plan.tree.unflatten(plan.like)))
-    if record is not None:
-      record(opts.fsdp)
+    opts = opts._replace(fsdp=_fsdp.match_outputs(opts.fsdp, plan, record))
   return _poison(opts, plan, _scan.run(opts, pos, plan, state0, operands, trips), misplaced)
 
 

@@ -62,7 +62,7 @@ class Options(NamedTuple):
   mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
   unroll: int | bool = 1  # micro-batches per loop iteration (`lax.scan`'s unroll); True: all
   axis: _gspmd.Axis = _gspmd.Axis(None, "none")  # resolved per call
-  keep_unsharded: str | None = None  # FSDP: what stays unsharded for the window (`_fsdp`)
+  keep_unsharded: _fsdp.Request | None = None  # FSDP: what stays unsharded (`_fsdp`)
   fsdp: _fsdp.Fsdp | None = None  # its plan for this call (where the axis is bound here)
 
 
@@ -393,10 +393,13 @@ def _finish(opts: Options, plan: _outputs.Plan, carry: Carry) -> Any:
   sum_like = [t for i, t in enumerate(plan.pick(plan.like, "sum")) if i not in fsdp_sums]
   done = [_already_reduced(t, opts.axis) for t in sum_like]
   local = [s for s, d in zip(carry_sums, done, strict=True) if not d]
+  # The noise scale's |Σ wᵢgᵢ|² of the FSDP gradients: their shards' squares, on the all-reduce.
+  shards_sq = _fsdp.shards_sq(opts.fsdp, fsdp_means, plan.where("mean"), plan.noise)
+  partials = _noise.partials(carry.noise)
   reduced = opts.axis.collectives.reduce(
-    (carry_means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise))
+    (carry_means, local, carry.total, carry.invalid, carry.skipped, partials, shards_sq)
   )
-  means, local, total, invalid, skipped, partials = reduced
+  means, local, total, invalid, skipped, partials, shards_sq = reduced
   means = _fsdp.put_back(means, fsdp_means)
   if plan.noise and _noise_reduced(opts, plan):  # n copies of the same gradients: once
     partials = _noise.once(partials, opts.axis.collectives.size())
@@ -429,19 +432,24 @@ def _finish(opts: Options, plan: _outputs.Plan, carry: Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  noise = _window_noise(opts, plan, means, total, partials, invalid) if plan.noise else None
+  if not plan.noise:
+    return out, MicrobatchInfo(skipped.astype(jnp.int32), total, None)
+  noise = _window_noise(opts, plan, means, total, partials, invalid, shards_sq)
   return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
 
 
 def _window_noise(
-  opts: Options, plan: _outputs.Plan, means: list, total, partials, invalid
+  opts: Options, plan: _outputs.Plan, means: list, total, partials, invalid, shards_sq=None
 ) -> _noise.NoiseScale:
   """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
-  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``. An invalid traced weight
-  makes the weighted outputs NaN, and the figures too (never a finite wrong number)."""
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``; those of FSDP gradients
+  (sharded, `keep_unsharded`) are in `shards_sq` already. An invalid traced weight makes the
+  weighted outputs NaN, and the figures too (never a finite wrong number)."""
   index = {n: i for i, n in enumerate(plan.where("mean"))}
-  picked = [means[index[n]] for n in plan.noise]
-  mean_sq = _noise.sq_norm(picked, _over_shards(opts)) / jnp.square(total)
+  sharded = () if opts.fsdp is None else opts.fsdp.outputs
+  picked = [means[index[n]] for n in plan.noise if n not in sharded]
+  sq = _noise.sq_norm(picked, _over_shards(opts)) + (0.0 if shards_sq is None else shards_sq)
+  mean_sq = sq / jnp.square(total)
   sq_sum, count, weight = partials
   trace, grad_sq = _noise.window_stats(sq_sum, count, weight, mean_sq)
   nan = jnp.full((), jnp.nan, jnp.float32)
