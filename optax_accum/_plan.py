@@ -145,13 +145,19 @@ def plan_microbatches(
   and does not.
 
   FSDP: with ``keep_unsharded`` a sequence of points (e.g. ``("nothing", "params",
-  "params_and_grads")``, see `microbatch`), it answers which point and which ``k`` communicate
-  least within the budget: for each point the fewest micro-batches that fit (as above), then
-  the bytes each device sends per update in that compiled program (every all-gather,
+  "params_and_grads")``, see `microbatch`), it answers which point and which ``k`` to run
+  within the budget: for each point the fewest micro-batches that fit (as above), and the
+  bytes each device sends per update in that compiled program (every all-gather,
   reduce-scatter and all-reduce of its HLO, those in the loop times its trip count; ring
-  algorithms), never from trial runs. The point that sends least wins (ties: the smaller
-  peak); ``plan.keep_unsharded`` is it, ``plan.points`` maps each point that fits to
-  ``(k, peak bytes, bytes sent per update)``.
+  algorithms), never from trial runs. The rule: the fewest micro-batches first — the
+  smallest ``k`` that fits for any point — then, among the points that fit at that ``k``, the
+  one that sends least (ties: the smaller peak). At equal ``k`` the points compute the same
+  micro-batches, so the bytes are the whole difference; a point that fits only with more
+  micro-batches trades bytes for smaller ones, whose cost (launches, smaller matrix products)
+  the compiled program does not say, and which grows without bound (at one row per device a
+  micro-batch, the point that sends least would run slowest). To accept a larger ``k`` for
+  less communication, list only the points you want. ``plan.keep_unsharded`` is the choice,
+  ``plan.points`` maps each point that fits to ``(k, peak bytes, bytes sent per update)``.
 
   Args:
     fun: the function to micro-batch, as for `microbatch`.
@@ -226,7 +232,8 @@ def _choose_point(fun, args: tuple, memory_limit, kwargs: dict, options: dict) -
   """FSDP: for each point of ``keep_unsharded`` (a sequence of them), the fewest micro-batches
   that fit (`plan_microbatches`: compiled memory), then the bytes its compiled program sends
   per update (`_hlo.collective_runs`: every all-gather, reduce-scatter and all-reduce, in-loop
-  ones times the trip count); the point that sends least wins (ties: the smaller peak)."""
+  ones times the trip count); among the points whose ``k`` is the smallest found, the one
+  that sends least wins (ties: the smaller peak)."""
   points = [_fsdp.check_keep(p, "plan_microbatches") for p in options["keep_unsharded"]]
   if not points or None in points:
     raise ValueError(
@@ -253,5 +260,7 @@ def _choose_point(fun, args: tuple, memory_limit, kwargs: dict, options: dict) -
     found[point] = (k, plans[point].peak_bytes[k], sent)
   if not found:
     raise ValueError("plan_microbatches: no point fits.\n" + "\n".join(errors))
-  best = min(found, key=lambda p: (found[p][2], found[p][1]))
+  fewest = min(k for k, _, _ in found.values())
+  at_fewest = [p for p in found if found[p][0] == fewest]
+  best = min(at_fewest, key=lambda p: (found[p][2], found[p][1]))
   return plans[best]._replace(keep_unsharded=best, points=found)
