@@ -91,9 +91,21 @@ def check_keep(value: Any, caller: str) -> str | None:
 
 KEEP_IN_MAP = (
   "microbatch: keep_unsharded is the choice of what microbatch gathers and reduce-scatters where "
-  "it binds axis_name={axis!r} itself (under plain jax.jit); inside a map that binds it, the "
-  "parameters arrive as your map splits them and your function gathers them. Call microbatch "
-  "under plain jax.jit with the mesh in effect (jax.set_mesh), or drop keep_unsharded."
+  "it binds axis_name={axis!r} itself (under plain jax.jit); inside a map that binds it "
+  "(jax.shard_map, data_parallel), the parameters arrive as the map splits them and your "
+  "function gathers them. Call microbatch under plain jax.jit with the mesh in effect "
+  "(jax.set_mesh), without data_parallel around it, or drop keep_unsharded."
+)
+
+DATA_PARALLEL = (
+  "data_parallel: keep_unsharded={keep!r} is not an option of data_parallel: it binds the axis "
+  "around a function that runs its own micro-batches, so it holds nothing across them. Its "
+  "sync= gives two of the points already: sync='microbatch' (GSPMD gathers the parameters and "
+  "reduce-scatters each micro-batch's gradient: 'nothing') and sync='update' (gathered once per "
+  "call, a whole accumulator all-reduced once). For the choice of all three, with "
+  "reduce-scatters, use the front end that owns the window: "
+  "jax.jit(microbatch(..., axis_name=..., keep_unsharded={keep!r})) under plain jax.jit (no "
+  "data_parallel around it), or TrainStep(..., axis_name=..., keep_unsharded={keep!r})."
 )
 
 

@@ -267,6 +267,20 @@ def test_fsdp_inside_shard_map_is_refused():
     jax.jit(mapped)(replicated, *batch)
 
 
+def test_fsdp_data_parallel_refuses_and_names_the_front_ends_that_have_it():
+  """data_parallel owns no window: keep_unsharded there raises naming microbatch and TrainStep,
+  and microbatch(keep_unsharded=...) inside data_parallel says to call it without it."""
+  with pytest.raises(ValueError, match=r"not an option of data_parallel(.|\n)*TrainStep\("):
+    optax_accum.data_parallel(jax.grad(_plain), "data", keep_unsharded="params")
+  mesh, p, batch = _placed("1d")
+  step = optax_accum.microbatch(
+    jax.grad(_plain), K, batch_argnums=(1, 2), axis_name="data", keep_unsharded="params"
+  )
+  wrapped = optax_accum.data_parallel(step, "data", batch_argnums=(1, 2))
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match="without data_parallel around it"):
+    jax.jit(wrapped)(p, *batch)
+
+
 @pytest.mark.structure
 def test_collective_runs_counts_loop_trips():
   mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
