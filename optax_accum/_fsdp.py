@@ -150,6 +150,12 @@ def check_options(keep: Any, axis_name: Any, in_shardings: Any) -> Request | Non
   return Request(keep, in_shardings)
 
 
+def check_unmapped(axis: Any, request: Request | None) -> None:
+  """Raises `KEEP_IN_MAP` for `keep_unsharded` where an enclosing map binds the axis."""
+  if request is not None and axis.mode == "mapped":
+    raise ValueError(KEEP_IN_MAP.format(axis=axis.name))
+
+
 def _is_spec(x: Any) -> bool:
   return isinstance(x, P | NamedSharding)
 

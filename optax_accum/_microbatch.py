@@ -369,22 +369,16 @@ def microbatch(
       (``1 < unroll < k``) still runs a loop, convolutions as slow. Needs a trip count known
       when tracing: a traced `num_real_microbatches` (a while loop) raises with any unroll
       but 1.
-    keep_unsharded: FSDP (parameters sharded over a data-parallel axis named in `axis_name`),
-      under plain `jax.jit`: what stays unsharded for the window, more memory held for less
-      communication (``L`` sharded parameters). None (the default): as without it (gathered on
-      entry, gradients all-reduced). ``"nothing"``: each micro-batch gathers them and
-      reduce-scatters its gradient into an accumulator sharded like them (``L·k`` + ``L·k``).
-      ``"params"``: gathered once for the window, each micro-batch reduce-scattered (``L`` +
-      ``L·k``). ``"params_and_grads"``: gathered once, a whole accumulator on each device, one
-      reduce-scatter after the loop (``L`` + ``L``). Their gradients (the output with their
-      structure and shapes, as ``jax.value_and_grad`` returns it) come back sharded like them;
-      weights, `skip_nonfinite`, keys, state and `noise_scale` as without it. `axis_name` names
-      every axis the batch is split over (``("data", "fsdp")``); not inside a map that binds
-      it. `plan_microbatches` chooses among the three.
-    in_shardings: with `keep_unsharded`, where the arguments are placed when a traced argument
-      does not say (Auto mesh axes under `jax.jit`): the tuple given to `jax.jit`'s
-      ``in_shardings`` (one entry per positional argument: None, a `PartitionSpec`, a
-      `NamedSharding`, or a pytree prefix of them; batch entries are not read).
+    keep_unsharded: FSDP (parameters sharded over axes of `axis_name`, under plain `jax.jit`):
+      what stays unsharded for the window (``L`` such parameters). None: as without it.
+      ``"nothing"``: gathered and reduce-scattered per micro-batch (``L·k`` + ``L·k``, least
+      memory); ``"params"``: gathered once, reduce-scattered per micro-batch (``L`` + ``L·k``);
+      ``"params_and_grads"``: a whole accumulator too, reduce-scattered once (``L`` + ``L``).
+      Their gradients (the output shaped like them, as ``jax.value_and_grad``'s) come back
+      sharded like them; everything else as without it. Name every axis the batch is split
+      over (``("data", "fsdp")``); see the sharding guide and `plan_microbatches`.
+    in_shardings: with `keep_unsharded` on Auto mesh axes under `jax.jit` (where a traced
+      argument's placement is not known): the tuple given to `jax.jit`'s ``in_shardings``.
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above
@@ -461,8 +455,7 @@ def microbatch(
 def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
   """One call of a `microbatch` function on arrays: the axis resolved, then bound or run."""
   axis = _gspmd.resolve_axis(opts.axis_name, opts.mesh, "microbatch")
-  if axis.mode == "mapped" and opts.keep_unsharded is not None:
-    raise ValueError(_fsdp.KEEP_IN_MAP.format(axis=opts.axis_name))
+  _fsdp.check_unmapped(axis, opts.keep_unsharded)
   if axis.mode == "unbound":
     return _bind(opts._replace(axis=axis), args, kwargs)
   return _run(opts._replace(axis=axis), args, kwargs)
