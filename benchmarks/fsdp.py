@@ -1,4 +1,4 @@
-"""FSDP with accumulation (issue 43): the three points of `microbatch(keep_unsharded=...)`.
+"""FSDP with accumulation (issue 43): the three points of `keep_unsharded`, in-step and across.
 
 For each layout where the parameters are sharded over a data-parallel axis (1-D FSDP,
 `data × fsdp`, `data × model` with the weights also split over "data"), and each point
@@ -9,6 +9,13 @@ each device sends with ring algorithms), XLA's memory analysis (argument, output
 and the time per update, the points alternated in rounds after a warm-up (median; the ratio to
 "nothing" is the figure that counts on a shared machine). Every point's gradient is checked
 against the default point's before anything is reported.
+
+The same for `TrainStep(..., keep_unsharded=...)` (adam), a window of ``k`` calls of one
+micro-batch each: the collectives of each of its programs (the gather, the accumulating
+program, the closing program) times the calls a window makes of it, each program's memory
+analysis (the table shows the largest peak, the held whole copy included as an argument), and
+the time per update (a whole window, alternated); the parameters after one window are checked
+against the default point's.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/fsdp.py \\
       --out benchmarks/results/cpu
@@ -36,6 +43,7 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -124,6 +132,64 @@ def _measure(layout: str, size: dict, rounds: int) -> list[dict]:
   return rows
 
 
+def _adam_loss(ws, x):
+  return _loss(ws, x)
+
+
+def _train_windows(layout: str, size: dict, rounds: int) -> list[dict]:
+  """TrainStep's three points on `layout`: per-window collectives, memory, time per update."""
+  mesh, axis, ws, x = _setup(layout, size)
+  k = size["k"]
+  entry = LAYOUTS[layout][3]
+  rows_per_call = size["rows"] // k
+  host = np.asarray(x)
+  micro = [jax.device_put(host[i * rows_per_call : (i + 1) * rows_per_call],
+                          NamedSharding(mesh, P(entry, None))) for i in range(k)]  # fmt: skip
+  out, steps = [], {}
+  with jax.set_mesh(mesh):
+    for keep in POINTS:
+      step = optax_accum.TrainStep(_adam_loss, optax.adam(1e-3), k, axis_name=axis,
+                                   keep_unsharded=keep, donate=False)  # fmt: skip
+      state = step.init(ws)
+      programs = step._fsdp.window_programs(ws, state, micro[0])
+      found = {kind: dict(outside=0, in_loop=0, bytes=0) for kind in _hlo._GATHERS}
+      sent, peaks = 0.0, {}
+      for name, lowered, calls in programs:
+        compiled = lowered.compile()
+        peaks[name] = _hlo.memory(compiled)
+        for kind, r in _hlo.collective_runs(compiled.as_text()).items():
+          found[kind]["outside"] += r.outside * calls
+          found[kind]["bytes"] += r.bytes * calls
+          sent += r.traffic * calls
+      top = max(peaks.values(), key=lambda m: m["peak"])
+      steps[keep] = (step, state)
+      out.append(dict(layout=layout, keep_unsharded=keep, k=k, front="TrainStep", memory=top,
+                      programs=peaks, collectives=found, sent_bytes=sent))  # fmt: skip
+
+    def window(keep):
+      step, state = steps[keep]
+      p = ws
+      for xb in micro:
+        p, state, _ = step(p, state, xb)
+      return jax.block_until_ready(p)
+
+    ref = window("nothing")
+    for keep in POINTS[1:]:
+      for a, b in zip(ref, window(keep), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    times = {keep: [] for keep in POINTS}
+    for _ in range(rounds):
+      for keep in POINTS:
+        t0 = time.perf_counter()
+        window(keep)
+        times[keep].append(time.perf_counter() - t0)
+  base = statistics.median(times["nothing"])
+  for row in out:
+    med = statistics.median(times[row["keep_unsharded"]])
+    row.update(ms_per_update=med * 1e3, ratio_to_nothing=med / base)
+  return out
+
+
 def _table(rows: list[dict], command: str, meta: dict) -> str:
   mib = 2.0**20
   lines = [
@@ -143,7 +209,8 @@ def _table(rows: list[dict], command: str, meta: dict) -> str:
     " / nothing |",
     "|---|---|---|---|---|---|---|---|---|---|",
   ]
-  for r in rows:
+  train = [r for r in rows if r.get("front") == "TrainStep"]
+  for r in (r for r in rows if r.get("front") != "TrainStep"):
     cell = lambda kind, c=r["collectives"]: f"{c[kind]['outside']} + {c[kind]['in_loop']}"  # noqa: E731
     lines.append(
       f"| {r['layout']} | {r['keep_unsharded']} | {cell('all-gather')} | "
@@ -151,6 +218,28 @@ def _table(rows: list[dict], command: str, meta: dict) -> str:
       f"{r['memory']['temp'] / mib:.2f} | {r['memory']['peak'] / mib:.2f} | "
       f"{r['ms_per_update']:.2f} | {r['ratio_to_nothing']:.2f} |"
     )
+  if train:
+    lines += [
+      "",
+      f"`TrainStep(..., keep_unsharded=...)` with adam, a window of k = {meta['k']} calls of "
+      f"{meta['rows'] // meta['k']} rows: AG/RS/AR per window (each program's ops times the "
+      "calls a window makes of it: the gather once, the accumulating program k times, the "
+      "closing program once); peak: the largest of its programs' (the held whole copy is an "
+      "argument of the accumulating one); ms/update: the whole window.",
+      "",
+      "| layout | keep_unsharded | AG | RS | AR | sent MiB | temp MiB | peak MiB | ms/update |"
+      " / nothing |",
+      "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in train:
+      c = r["collectives"]
+      lines.append(
+        f"| {r['layout']} | {r['keep_unsharded']} | {c['all-gather']['outside']} | "
+        f"{c['reduce-scatter']['outside']} | {c['all-reduce']['outside']} | "
+        f"{r['sent_bytes'] / mib:.2f} | {r['memory']['temp'] / mib:.2f} | "
+        f"{r['memory']['peak'] / mib:.2f} | {r['ms_per_update']:.2f} | "
+        f"{r['ratio_to_nothing']:.2f} |"
+      )
   return "\n".join(lines) + "\n"
 
 
@@ -163,6 +252,7 @@ def main(argv=None) -> None:
   size = SIZES["quick" if args.quick else "full"]
   rounds = 2 if args.quick else args.rounds
   rows = [row for layout in LAYOUTS for row in _measure(layout, size, rounds)]
+  rows += [row for layout in LAYOUTS for row in _train_windows(layout, size, rounds)]
   meta = dict(size, devices=8, backend=_devices()[0].platform, jax=jax.__version__)
   command = "XLA_FLAGS=--xla_force_host_platform_device_count=8 python benchmarks/fsdp.py " + (
     " ".join(argv if argv is not None else sys.argv[1:])
