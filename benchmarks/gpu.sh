@@ -5,12 +5,14 @@
 # accumulator, the protocol path's device conditional against static emit= and TrainStep,
 # whether the cuBLAS GEMM adds into the accumulator, beta = 1, read from the optimized HLO; the
 # price of the reduction overlapped with the last backward pass where several GPUs are lent),
-# then the byte LM's tokens/s at a size that keeps the GPU busy. Writes benchmarks/results/gpu/
-# (bench tables and plots, compile.md, accel.md, lm/).
+# then the byte LM's tokens/s at a size that keeps the GPU busy, and FSDP's three points where
+# several GPUs are lent (time per update, collectives, memory: fsdp.md). Writes
+# benchmarks/results/gpu/ (bench tables and plots, compile.md, accel.md, lm/, fsdp.md).
 #
 #   bash benchmarks/gpu.sh                     # on the GPU machine, from a clone with .[dev]
 #                                              # installed (or PYTHONPATH=. and the image's jax)
-#   bash benchmarks/gpu.sh --only cross        # some phases: cross noise within compile accel lm
+#   bash benchmarks/gpu.sh --only cross        # some phases: cross noise within compile accel
+#                                              # lm fsdp
 #   bash benchmarks/gpu.sh --dry-run           # anywhere (CPU): tiny sizes, into
 #                                              # benchmarks/results/tmp/gpu-dry-run/
 #
@@ -33,7 +35,7 @@ lm=(--size gpu)
 accel=()
 accel_only=microstep,fusion,lm
 dry=0
-only=cross,noise,within,compile,accel,lm
+only=cross,noise,within,compile,accel,lm,fsdp
 # Seconds per phase on one H200 (cross includes the emission figures). Measured 2026-12-04 (jax
 # 0.11.2): cross 177 s, noise 79 s, within 53 s, compile 56 s (and a few seconds to exit), accel
 # 44 s; lm ran out of 80 s after its planner (not yet measured whole). About 11 minutes in all:
@@ -41,7 +43,8 @@ only=cross,noise,within,compile,accel,lm
 #   bash benchmarks/gpu.sh --only cross,noise,within && bash benchmarks/gpu.sh --only compile,accel,lm
 # (the second call's report joins the first's parts where the machine kept them; else join them
 # with python benchmarks/bench.py --combine DIR/parts/*.json --out DIR).
-declare -A limit=([cross]=200 [noise]=100 [within]=70 [compile]=75 [accel]=60 [lm]=150)
+declare -A limit=([cross]=200 [noise]=100 [within]=70 [compile]=75 [accel]=60 [lm]=150
+  [fsdp]=120)
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run) dry=1 ;;
@@ -87,6 +90,8 @@ python -c "import jax, optax; print('gpu.sh:', jax.default_backend(), jax.device
   'x', jax.device_count(), '· jax', jax.__version__, '· optax', optax.__version__)" || exit 1
 if ! ((dry)) && python -c "import jax; raise SystemExit(jax.device_count() < 2)"; then
   accel_only+=,overlap  # the overlapped reduction needs several devices of this backend
+elif ! ((dry)); then
+  only=${only//fsdp/}  # FSDP's points need several devices: one GPU has nothing to shard over
 fi
 
 phase() {  # phase NAME COMMAND...: run it under NAME's limit (none in the dry run), record it
@@ -119,6 +124,11 @@ accel_phase() {
 lm_phase() {
   phase lm python -m optax_accum.demo lm "${lm[@]}" --no-progress --out "$out/lm"
 }
+fsdp_phase() {  # FSDP's three points (benchmarks/fsdp.py); quick sizes in the dry run
+  local quick=()
+  ((dry)) && quick=(--quick)
+  phase fsdp python benchmarks/fsdp.py "${quick[@]}" --out "$out"
+}
 if ((dry)); then
   # The three chains at once: each is mostly single-threaded XLA compilation.
   bench_chain &
@@ -126,11 +136,13 @@ if ((dry)); then
   accel_phase &
   accel_pid=$!
   lm_phase
+  fsdp_phase
   wait "$bench_pid" "$accel_pid"
 else
   bench_chain  # one at a time: the GPU is timed
   accel_phase
   lm_phase
+  fsdp_phase
 fi
 parts=()
 for p in cross noise within compile; do

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optax_accum import _gspmd, _sharding
+from optax_accum import _fsdp, _gspmd, _sharding
 from optax_accum._typing import AxisName
 
 
@@ -26,6 +26,7 @@ def data_parallel(
   mesh: Any = None,
   varying: _gspmd.Varying = "error",
   sync: _gspmd.Sync = "update",
+  keep_unsharded: None = None,
 ) -> Callable[..., Any]:
   """Runs `fun` once per device over the mesh axis `axis_name`, under plain `jax.jit`.
 
@@ -60,6 +61,10 @@ def data_parallel(
       "microbatch": bind it as a trivial axis of size 1 (its collectives are the identity) and
       leave the whole mesh to GSPMD, which reduces each micro-batch's gradient (for parameters
       sharded over the axis: a reduce-scatter into an accumulator sharded like them).
+    keep_unsharded: not an option here (anything but None raises ValueError): data_parallel
+      owns no window of micro-batches, so it holds nothing across them; `sync` gives two of
+      FSDP's points (per micro-batch, or gathered once per call). `microbatch` and `TrainStep`
+      take ``keep_unsharded`` (all three points, with reduce-scatters).
 
   Returns:
     A function with `fun`'s signature, to be called (typically under `jax.jit`) with global
@@ -67,7 +72,8 @@ def data_parallel(
 
   Raises:
     TypeError, ValueError: here, for a bad `axis_name`, `batch_argnums` (a bool, repeated
-      positions), `batch_argnames`, `batch_axes`, `varying` or `sync`; at call time, with no
+      positions), `batch_argnames`, `batch_axes`, `varying`, `sync` or `keep_unsharded`; at
+      call time, with no
       mesh in effect, a mesh without `axis_name`, a batch that does not divide over the
       devices, or an output that differs per device (see `varying`).
 
@@ -80,6 +86,8 @@ def data_parallel(
   >>> bool(jnp.allclose(f(jnp.ones(2), x), jnp.mean((x @ jnp.ones(2)) ** 2)))
   True
   """
+  if keep_unsharded is not None:  # (FSDP's points belong to the front ends that own a window)
+    raise ValueError(_fsdp.DATA_PARALLEL.format(keep=keep_unsharded))
   return _gspmd.bind(
     fun,
     axis_name,

@@ -301,8 +301,11 @@ def _out_specs(types: Any, ctx: Binding) -> Any:
   replicated, or (varying="concat") split over the axis."""
   hook, entry = ctx.state_specs, ctx.axis.entry
 
+  # A front end's own specs for some output leaves (by path), e.g. an FSDP gradient's shard.
+  own = ctx.out_specs(types) if ctx.out_specs is not None else {}
+
   def node(path, x):
-    specs = hook(x, entry)
+    specs = own.get(jax.tree_util.keystr(path)) or hook(x, entry)
     return _out_spec(path, x, ctx) if specs is None else specs
 
   return jax.tree_util.tree_map_with_path(node, types, is_leaf=_per_device(hook, entry))
@@ -320,6 +323,8 @@ class Binding(NamedTuple):
   state_specs: StateSpecs
   varying: Varying
   caller: str
+  # ``types -> {keystr(path): spec}``: specs of some output leaves, chosen by the front end.
+  out_specs: Callable[[Any], dict[str, P]] | None = None
 
 
 def _flatten_args(args: tuple, kwargs: dict) -> tuple[list[int], Callable[[list], tuple]]:

@@ -500,3 +500,119 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
         CollectiveOp(base, where, conds, n, size, size * scale, elements * scale, groups)
       )
   return found
+
+
+# ----------------------------------------------------------------------------------------------
+# Collectives per call by kind (FSDP's table): how many run, inside loops or not, and the
+# bytes they move. (`collective_ops` above lists each op; this sums them per kind.)
+
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
+_GATHERS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+def trip_count(instr: Instruction) -> int | None:
+  """A ``while`` instruction's trip count where XLA knows it (``known_trip_count`` in its
+  backend config: a `lax.scan` or a `fori_loop` with static bounds), else None."""
+  m = _TRIP_COUNT.search(instr.rest)
+  return int(m.group(1)) if m else None
+
+
+def _loop_runs(comps: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, bool]]:
+  """How many times each computation reachable from `entry` runs per call, and whether that is
+  inside a loop: a loop body runs its trip count times its caller's count (a loop whose trip
+  count XLA does not know counts once). Fusion bodies and the like run as their caller."""
+  runs: dict[str, tuple[int, bool]] = {}
+  todo = [(entry, 1, False)]
+  while todo:
+    name, n, looped = todo.pop()
+    if name not in comps or runs.get(name, (0, False))[0] >= n:
+      continue
+    runs[name] = (n, looped)
+    for instr in comps[name]:
+      if instr.op == "while":
+        trips = trip_count(instr) or 1
+        todo += [(c, n * trips, True) for c in callees(instr)]
+      else:
+        todo += [(c, n, looped) for c in callees(instr)]
+  return runs
+
+
+def _group_size(instr: Instruction) -> int | None:
+  """The number of devices in each replica group of a collective, where the text says."""
+  m = _GROUPS_LIST.search(instr.rest)
+  if m:
+    return len([d for d in m.group(1).split(",") if d])
+  m = _GROUPS_IOTA.search(instr.rest)
+  return int(m.group(2)) if m else None
+
+
+class CollectiveRuns(NamedTuple):
+  """The collectives of one kind that one call of a compiled program runs."""
+
+  outside: int  # ops that run once per call (outside every loop)
+  in_loop: int  # op runs inside loops: each op times its loops' trip counts
+  ops_in_loop: int  # distinct ops inside loops (each counted once)
+  bytes: int  # the full buffers they handle, all runs (all-gather: its result; reduce-scatter:
+  # its operand; all-reduce: its result)
+  traffic: float  # bytes each device sends, all runs, ring algorithms: (n-1)/n of the full
+  # buffer for an all-gather or a reduce-scatter over n devices, 2(n-1)/n for an all-reduce
+
+  @property
+  def runs(self) -> int:
+    return self.outside + self.in_loop
+
+
+def collective_runs(hlo_text: str, *, min_bytes: int = 0) -> dict[str, CollectiveRuns]:
+  """What one call of a compiled program communicates: for each of all-gather, reduce-scatter
+  and all-reduce, the ops outside loops and the op runs inside them (times the loops' trip
+  counts), and their bytes (`CollectiveRuns`).
+
+  Args:
+    hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
+    min_bytes: count only ops whose full buffer holds at least this many bytes (e.g. to leave
+      out a scalar loss's all-reduce).
+
+  Returns:
+    ``{kind: CollectiveRuns}`` for the three kinds (zeros where there are none).
+
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> text = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text()
+  >>> optax_accum._hlo.collective_runs(text)["all-reduce"].runs
+  0
+  """
+  comps, entry = computations(hlo_text)
+  runs = _loop_runs(comps, entry) if entry is not None else {c: (1, False) for c in comps}
+  found = {k: [0, 0, 0, 0, 0.0] for k in _GATHERS}
+  for comp, instrs in comps.items():
+    if comp not in runs:
+      continue
+    n, looped = runs[comp]
+    shapes = {i.name: i.shape for i in instrs}
+    for instr in instrs:
+      kind = instr.op.removesuffix("-start")
+      if kind not in found or instr.op.endswith("-done"):
+        continue
+      full, size = _full_bytes(instr, kind, shapes)
+      if full < min_bytes:
+        continue
+      row = found[kind]
+      row[1 if looped else 0] += n
+      row[2] += looped
+      row[3] += n * full
+      share = (size - 1) / size if size else 1.0
+      row[4] += n * full * share * (2 if kind == "all-reduce" else 1)
+  return {k: CollectiveRuns(*r[:4], r[4]) for k, r in found.items()}
+
+
+def _full_bytes(instr: Instruction, kind: str, shapes: dict[str, str]) -> tuple[int, int | None]:
+  """The full buffer a collective handles, and its group size (None where unknown)."""
+  out = shape_bytes(instr.shape)
+  ins = sum(shape_bytes(shapes.get(o, "")) for o in operands(instr))
+  if instr.op.endswith("-start") and instr.shape.startswith("("):
+    out = max(out - ins, 0)  # an async start's shape holds its operands and its result
+  if kind == "all-gather":
+    return out, round(out / ins) if ins else _group_size(instr)
+  if kind == "reduce-scatter":
+    return ins, round(ins / out) if out else _group_size(instr)
+  return out, _group_size(instr)

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _batch, _checks, _collectives, _gspmd, _nnx, _outputs, _scan
+from optax_accum import _batch, _checks, _collectives, _fsdp, _gspmd, _nnx, _outputs, _scan
 from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
 
 STATE_OUT_MISSING = (
@@ -196,6 +196,8 @@ def microbatch(
   axis_name: AxisName | None = None,
   mesh: Any = None,
   unroll: int | bool = 1,
+  keep_unsharded: str | None = None,
+  in_shardings: Any = None,
 ) -> Callable[..., Any]:
   """Runs `fun` on a batch as `num_microbatches` sequential micro-batches under one `lax.scan`.
 
@@ -367,6 +369,16 @@ def microbatch(
       (``1 < unroll < k``) still runs a loop, convolutions as slow. Needs a trip count known
       when tracing: a traced `num_real_microbatches` (a while loop) raises with any unroll
       but 1.
+    keep_unsharded: FSDP (parameters sharded over axes of `axis_name`, under plain `jax.jit`):
+      what stays unsharded for the window (``L`` such parameters). None: as without it.
+      ``"nothing"``: gathered and reduce-scattered per micro-batch (``L·k`` + ``L·k``, least
+      memory); ``"params"``: gathered once, reduce-scattered per micro-batch (``L`` + ``L·k``);
+      ``"params_and_grads"``: a whole accumulator too, reduce-scattered once (``L`` + ``L``).
+      Their gradients (the output shaped like them, as ``jax.value_and_grad``'s) come back
+      sharded like them; everything else as without it. Name every axis the batch is split
+      over (``("data", "fsdp")``); see the sharding guide and `plan_microbatches`.
+    in_shardings: with `keep_unsharded` on Auto mesh axes under `jax.jit` (where a traced
+      argument's placement is not known): the tuple given to `jax.jit`'s ``in_shardings``.
 
   Returns:
     A function with `fun`'s signature returning `fun`'s output structure, reduced as above
@@ -414,6 +426,7 @@ def microbatch(
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
+  keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, in_shardings)
   opts = _scan.Options(
     fun=fun,
     k=k,
@@ -431,6 +444,7 @@ def microbatch(
     axis_name=axis_name,
     mesh=mesh,
     unroll=_scan.check_unroll(unroll),
+    keep_unsharded=keep_unsharded,
   )
 
   @_checks.wraps(fun)
@@ -446,6 +460,7 @@ def microbatch(
 def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
   """One call of a `microbatch` function on arrays: the axis resolved, then bound or run."""
   axis = _gspmd.resolve_axis(opts.axis_name, opts.mesh, "microbatch")
+  _fsdp.check_unmapped(axis, opts.keep_unsharded)
   if axis.mode == "unbound":
     return _bind(opts._replace(axis=axis), args, kwargs)
   return _run(opts._replace(axis=axis), args, kwargs)
@@ -536,6 +551,10 @@ def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     args, kwargs = _interleave(pos, args, kwargs, k)
     inner = inner._replace(split="strided")
   binding = _gspmd.Binding(opts.axis, _gspmd.no_state, "concat", "microbatch")
+  if opts.keep_unsharded is not None:  # FSDP: sharded parameters enter as their shards
+    fsdp = _fsdp.plan(opts.keep_unsharded, opts.axis, args, kwargs, pos.axis_of(), "microbatch")
+    inner = inner._replace(fsdp=fsdp)
+    binding = _fsdp.binding(binding, fsdp, args, kwargs, plans, opts.return_info)
   fun = functools.partial(_run_kw, inner, plans.append)
   out = _gspmd.run_bound(fun, binding, pos, args, kwargs)
   if inner.split == opts.split:
@@ -581,6 +600,8 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   opts = opts._replace(k=k)
   trips = _trips(opts.num_real, k, sized=opts.microbatch_size is not None)
   _batch.check_keys(args, pos.rngs)
+  if opts.fsdp is not None and not opts.fsdp.gathers_in_loop:  # gathered once, for the window
+    args, kwargs = opts.fsdp.gather(tuple(args), kwargs)
   if opts.axis.mode == "mapped" and opts.split == "contiguous" and opts.num_real is not None:
     raise ValueError(CONTIGUOUS_IN_MAP.format(axis=opts.axis.name))
   misplaced = _misplaced_rows(opts, pos, args, trips)
@@ -589,6 +610,8 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   plan = _plan(opts, pos, operands, state0, size)
   if record is not None:
     record(plan)
+  if opts.fsdp is not None:  # FSDP: which outputs are the sharded parameters' gradients
+    opts = opts._replace(fsdp=_fsdp.match_outputs(opts.fsdp, plan, record))
   return _poison(opts, plan, _scan.run(opts, pos, plan, state0, operands, trips), misplaced)
 
 

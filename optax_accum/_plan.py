@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_accum import _batch, _hlo, _microbatch
+from optax_accum import _batch, _fsdp, _hlo, _microbatch
 
 NO_LIMIT = (
   "plan_microbatches: memory_limit=None asks the device for its memory limit, but {device} "
@@ -27,9 +27,22 @@ class MicrobatchPlan(NamedTuple):
   num_microbatches: int  # the smallest k whose compiled peak fits in memory_limit
   peak_bytes: dict[int, int]  # k -> compiled peak (argument + output + temp - alias), bytes
   memory_limit: int  # the budget, bytes
+  # FSDP, when `keep_unsharded` named several points: the one chosen (least communication),
+  # and for each point that fits, ``(k, peak bytes, bytes each device sends per update)``.
+  keep_unsharded: str | None = None
+  points: dict[str, tuple[int, int, float]] | None = None
 
   def __str__(self) -> str:
     mib = 2.0**20
+    if self.points is not None:
+      rows = [
+        f"  {p:<17s} k={k:<5d} peak {peak / mib:10.1f} MiB  sends {sent / mib:10.2f} MiB/update"
+        for p, (k, peak, sent) in self.points.items()
+      ]
+      return (
+        f"MicrobatchPlan: keep_unsharded={self.keep_unsharded!r}, num_microbatches="
+        f"{self.num_microbatches} (limit {self.memory_limit / mib:.1f} MiB)\n" + "\n".join(rows)
+      )
     rows = [
       f"  k={k:<6d} peak {p / mib:10.1f} MiB  {'fits' if p <= self.memory_limit else 'too big'}"
       for k, p in sorted(self.peak_bytes.items())
@@ -88,6 +101,7 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
       "plan_microbatches: the batch arguments are empty (batch size 0): there is no "
       "micro-batch to plan. Pass the shapes of a real batch (arrays or jax.ShapeDtypeStruct)."
     )
+  size //= _devices(options)  # with axis_name each device splits its own rows into k pieces
   n = _microbatch.check_num_real(options.get("num_real_microbatches"), None)
   least = n if isinstance(n, int) else 1
   if least > size:
@@ -96,6 +110,16 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
       "num_microbatches can hold that many micro-batches."
     )
   return [k for k in _divisors(size) if k >= least]
+
+
+def _devices(options: dict[str, Any]) -> int:
+  """The devices the batch is split over: those of `axis_name` on the mesh (1 without it)."""
+  axis = options.get("axis_name")
+  mesh = options.get("mesh") or jax.sharding.get_abstract_mesh()
+  if axis is None or mesh is None or mesh.empty:
+    return 1
+  names = axis if isinstance(axis, tuple | list) else (axis,)
+  return int(np.prod([mesh.shape[a] for a in names if a in mesh.axis_names]))
 
 
 def plan_microbatches(
@@ -119,6 +143,21 @@ def plan_microbatches(
   It assumes, as XLA's estimates show in practice, that more micro-batches never need more
   memory; the returned ``k`` fits and the next smaller divisor (when there is one) was compiled
   and does not.
+
+  FSDP: with ``keep_unsharded`` a sequence of points (e.g. ``("nothing", "params",
+  "params_and_grads")``, see `microbatch`), it answers which point and which ``k`` to run
+  within the budget: for each point the fewest micro-batches that fit (as above), and the
+  bytes each device sends per update in that compiled program (every all-gather,
+  reduce-scatter and all-reduce of its HLO, those in the loop times its trip count; ring
+  algorithms), never from trial runs. The rule: the fewest micro-batches first — the
+  smallest ``k`` that fits for any point — then, among the points that fit at that ``k``, the
+  one that sends least (ties: the smaller peak). At equal ``k`` the points compute the same
+  micro-batches, so the bytes are the whole difference; a point that fits only with more
+  micro-batches trades bytes for smaller ones, whose cost (launches, smaller matrix products)
+  the compiled program does not say, and which grows without bound (at one row per device a
+  micro-batch, the point that sends least would run slowest). To accept a larger ``k`` for
+  less communication, list only the points you want. ``plan.keep_unsharded`` is the choice,
+  ``plan.points`` maps each point that fits to ``(k, peak bytes, bytes sent per update)``.
 
   Args:
     fun: the function to micro-batch, as for `microbatch`.
@@ -153,6 +192,8 @@ def plan_microbatches(
   1
   """
   kwargs = dict(kwargs or {})
+  if isinstance(microbatch_kwargs.get("keep_unsharded"), tuple | list):
+    return _choose_point(fun, args, memory_limit, kwargs, microbatch_kwargs)
   candidates = _candidates(args, kwargs, microbatch_kwargs)
   limit = _check_limit(memory_limit)
   peaks: dict[int, int] = {}
@@ -185,3 +226,41 @@ def plan_microbatches(
     else:
       below = mid
   return MicrobatchPlan(candidates[n], dict(sorted(peaks.items())), limit)
+
+
+def _choose_point(fun, args: tuple, memory_limit, kwargs: dict, options: dict) -> MicrobatchPlan:
+  """FSDP: for each point of ``keep_unsharded`` (a sequence of them), the fewest micro-batches
+  that fit (`plan_microbatches`: compiled memory), then the bytes its compiled program sends
+  per update (`_hlo.collective_runs`: every all-gather, reduce-scatter and all-reduce, in-loop
+  ones times the trip count); among the points whose ``k`` is the smallest found, the one
+  that sends least wins (ties: the smaller peak)."""
+  points = [_fsdp.check_keep(p, "plan_microbatches") for p in options["keep_unsharded"]]
+  if not points or None in points:
+    raise ValueError(
+      "plan_microbatches: keep_unsharded, as a sequence, lists the points to choose among, "
+      f"e.g. {_fsdp.KEEP_UNSHARDED}; got {options['keep_unsharded']!r}."
+    )
+  limit = _check_limit(memory_limit)
+  found: dict[str, tuple[int, int, float]] = {}
+  plans: dict[str, MicrobatchPlan] = {}
+  errors = []
+  for point in points:
+    opts = {**options, "keep_unsharded": point}
+    try:
+      plans[point] = plan_microbatches(fun, *args, memory_limit=limit, kwargs=kwargs, **opts)
+    except ValueError as e:
+      if "is too small" not in str(e):
+        raise
+      errors.append(f"{point}: {e}")
+      continue
+    k = plans[point].num_microbatches
+    step = _microbatch.microbatch(fun, k, **opts)
+    text = jax.jit(step).lower(*args, **kwargs).compile().as_text()
+    sent = sum(r.traffic for r in _hlo.collective_runs(text).values())
+    found[point] = (k, plans[point].peak_bytes[k], sent)
+  if not found:
+    raise ValueError("plan_microbatches: no point fits.\n" + "\n".join(errors))
+  fewest = min(k for k, _, _ in found.values())
+  at_fewest = [p for p in found if found[p][0] == fewest]
+  best = min(at_fewest, key=lambda p: (found[p][2], found[p][1]))
+  return plans[best]._replace(keep_unsharded=best, points=found)

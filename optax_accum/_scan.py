@@ -28,7 +28,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _batch, _checks, _collectives, _core, _gspmd, _noise, _outputs
+from optax_accum import _batch, _checks, _collectives, _core, _fsdp, _gspmd, _noise, _outputs
 from optax_accum._typing import AxisName, Split
 
 
@@ -62,6 +62,8 @@ class Options(NamedTuple):
   mesh: Any  # the mesh whose `axis_name` to bind under plain jit; None: the one in effect
   unroll: int | bool = 1  # micro-batches per loop iteration (`lax.scan`'s unroll); True: all
   axis: _gspmd.Axis = _gspmd.Axis(None, "none")  # resolved per call
+  keep_unsharded: _fsdp.Request | None = None  # FSDP: what stays unsharded (`_fsdp`)
+  fsdp: _fsdp.Fsdp | None = None  # its plan for this call (where the axis is bound here)
 
 
 class Carry(NamedTuple):
@@ -117,6 +119,8 @@ def call(
     a[j] = _fold_keys(args[j], i, opts.axis)
   for j, s in zip(pos.states, state, strict=True):
     a[j] = s
+  if opts.fsdp is not None:  # keep_unsharded="nothing": the parameters gathered for this one
+    a, kw = opts.fsdp.in_microbatch(a, kw, i)
   a, kw = _batch.show_static((a, kw))
   out = opts.fun(*a, **kw)
   if opts.weight_fn is None:
@@ -213,10 +217,12 @@ def _init(opts: Options, plan: _outputs.Plan, state0: tuple, operands: tuple) ->
   for n in plan.where("concat", "stack"):
     layout = _layout(plan.kinds[n], opts.split)
     rows.append(vary(_batch.zeros_split(like[n], opts.k, layout), like[n], _k_axis(layout)))
+  means = weighted_sums(_core.zeros(means_t, opts.accum_dtype, mean=True), means_t)
+  # A weighted sum of integer counts is not an integer: accumulated as a float then.
+  sums = weighted_sums(_core.zeros(sums_t, opts.accum_dtype, mean=weighted), sums_t)
   return Carry(
-    means=weighted_sums(_core.zeros(means_t, opts.accum_dtype, mean=True), means_t),
-    # A weighted sum of integer counts is not an integer: accumulated as a float then.
-    sums=weighted_sums(_core.zeros(sums_t, opts.accum_dtype, mean=weighted), sums_t),
+    means=_fsdp.shard_carry(opts.fsdp, means, plan.where("mean")),  # FSDP: a gradient's shard
+    sums=_fsdp.shard_carry(opts.fsdp, sums, plan.where("sum")),
     total=scalar,
     invalid=scalar,
     skipped=scalar,
@@ -271,8 +277,11 @@ def _body(i: jax.Array, carry: Carry, *, opts: Options, pos, plan: _outputs.Plan
     opts.axis.collectives.warn_if_reduced(sums, w, "microbatch")
   # One add for both: one weight, one finite check, one decision to drop the micro-batch.
   check = None if plan.decide is None else [leaves[n] for n in plan.decide]
+  # FSDP (keep_unsharded): a gradient reduce-scattered per micro-batch is weighted and checked
+  # whole, on each device, then scattered and added to its shard (`_fsdp.add_outputs`).
+  where = plan.where("mean") + plan.where("sum")
   acc, total, dropped = _core.add(
-    carry.means + carry.sums,
+    _fsdp.add_inputs(opts.fsdp, carry.means + carry.sums, means + sums, where),
     carry.total,
     means + sums,
     w,
@@ -280,6 +289,7 @@ def _body(i: jax.Array, carry: Carry, *, opts: Options, pos, plan: _outputs.Plan
     agree=opts.axis.collectives.agree,
     check=check,
   )
+  acc = _fsdp.add_outputs(opts.fsdp, carry.means + carry.sums, acc, where)
   invalid = jnp.asarray(False) if w is None else ~_checks.valid_weight(w)
   rows = [
     _batch.put(r, leaves[n], i, _layout(plan.kinds[n], opts.split))
@@ -377,17 +387,26 @@ def _finish(opts: Options, plan: _outputs.Plan, carry: Carry) -> Any:
   out of the all-reduce, which would count it once per device.
   """
   _check_bound_outputs(opts, plan, carry)
-  sum_like = plan.pick(plan.like, "sum")
+  # FSDP (keep_unsharded): the gradients of sharded parameters are reduced apart (`_fsdp.pull`).
+  carry_means, fsdp_means = _fsdp.pull(opts.fsdp, carry.means, plan.where("mean"))
+  carry_sums, fsdp_sums = _fsdp.pull(opts.fsdp, carry.sums, plan.where("sum"))
+  sum_like = [t for i, t in enumerate(plan.pick(plan.like, "sum")) if i not in fsdp_sums]
   done = [_already_reduced(t, opts.axis) for t in sum_like]
-  local = [s for s, d in zip(carry.sums, done, strict=True) if not d]
+  local = [s for s, d in zip(carry_sums, done, strict=True) if not d]
+  # The noise scale's |Σ wᵢgᵢ|² of the FSDP gradients: their shards' squares, on the all-reduce.
+  shards_sq = _fsdp.shards_sq(opts.fsdp, fsdp_means, plan.where("mean"), plan.noise)
+  partials = _noise.partials(carry.noise)
   reduced = opts.axis.collectives.reduce(
-    (carry.means, local, carry.total, carry.invalid, carry.skipped, _noise.partials(carry.noise))
+    (carry_means, local, carry.total, carry.invalid, carry.skipped, partials, shards_sq)
   )
-  means, local, total, invalid, skipped, partials = reduced
+  means, local, total, invalid, skipped, partials, shards_sq = reduced
+  means = _fsdp.put_back(means, fsdp_means)
   if plan.noise and _noise_reduced(opts, plan):  # n copies of the same gradients: once
     partials = _noise.once(partials, opts.axis.collectives.size())
   local = iter(local)
-  sums = [s if d else next(local) for s, d in zip(carry.sums, done, strict=True)]
+  sums = [s if d else next(local) for s, d in zip(carry_sums, done, strict=True)]
+  sums = _fsdp.put_back(sums, fsdp_sums)
+  sum_like = plan.pick(plan.like, "sum")
   # NaN, never a finite wrong number: for invalid weights, and for a step whose micro-batches
   # were all dropped for NaN/Inf (its sums hold nothing; zeros would look like a result).
   void = (invalid > 0) | ((skipped > 0) & (total == 0))
@@ -413,19 +432,24 @@ def _finish(opts: Options, plan: _outputs.Plan, carry: Carry) -> Any:
   out = jax.tree.unflatten(plan.tree, results)
   if not opts.return_info:
     return out
-  noise = _window_noise(opts, plan, means, total, partials, invalid) if plan.noise else None
+  if not plan.noise:
+    return out, MicrobatchInfo(skipped.astype(jnp.int32), total, None)
+  noise = _window_noise(opts, plan, means, total, partials, invalid, shards_sq)
   return out, MicrobatchInfo(skipped.astype(jnp.int32), total, noise)
 
 
 def _window_noise(
-  opts: Options, plan: _outputs.Plan, means: list, total, partials, invalid
+  opts: Options, plan: _outputs.Plan, means: list, total, partials, invalid, shards_sq=None
 ) -> _noise.NoiseScale:
   """The step's window as a `NoiseScale`, from the global sums ``Σ wᵢgᵢ`` (``means``, before
-  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``. An invalid traced weight
-  makes the weighted outputs NaN, and the figures too (never a finite wrong number)."""
+  normalising) of the gradient's leaves: ``|ḡ|² = |Σ wᵢgᵢ|² / W²``; those of FSDP gradients
+  (sharded, `keep_unsharded`) are in `shards_sq` already. An invalid traced weight makes the
+  weighted outputs NaN, and the figures too (never a finite wrong number)."""
   index = {n: i for i, n in enumerate(plan.where("mean"))}
-  picked = [means[index[n]] for n in plan.noise]
-  mean_sq = _noise.sq_norm(picked, _over_shards(opts)) / jnp.square(total)
+  sharded = () if opts.fsdp is None else opts.fsdp.outputs
+  picked = [means[index[n]] for n in plan.noise if n not in sharded]
+  sq = _noise.sq_norm(picked, _over_shards(opts)) + (0.0 if shards_sq is None else shards_sq)
+  mean_sq = sq / jnp.square(total)
   sq_sum, count, weight = partials
   trace, grad_sq = _noise.window_stats(sq_sum, count, weight, mean_sq)
   nan = jnp.full((), jnp.nan, jnp.float32)

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from optax_accum import _accumulate, _batch, _checks, _collectives, _gspmd, _noise, _sharding
+from optax_accum._fsdp_train_step import FsdpSteps
 from optax_accum._sharding import state_partition_specs
 from optax_accum._typing import AxisName, DType, Reduction
 
@@ -277,6 +278,17 @@ class TrainStep:
     rounding: as for `accumulate`: None, or "nearest"/"stochastic" for an accumulator in
       `accum_dtype` itself (``accum_dtype=jnp.bfloat16, rounding="stochastic"``: 2 bytes per
       parameter, unbiased).
+    keep_unsharded: FSDP (parameters sharded over `axis_name`, under plain `jax.jit`): what
+      stays unsharded for a window of ``k`` calls, as for `microbatch` (``L`` sharded
+      parameters). ``"nothing"``: each call gathers them and reduce-scatters its gradient into
+      an accumulator sharded like them (``L·k`` + ``L·k`` per update). ``"params"``: the
+      window's first call gathers them once and this object holds the whole copy until the
+      window closes (``L`` + ``L·k``). ``"params_and_grads"``: the held copy and a whole
+      accumulator per device, reduce-scattered once by the window's last call (``L`` + ``L``).
+      The update runs on the sharded parameters, gradients and optimizer state (under GSPMD:
+      a global-norm clip sees the whole gradient). With the first two, ``step.tx`` is
+      ``accumulate`` without axis (the state is global, its sums sharded like the
+      parameters). Not with every_k=1, the noise statistics, or ``rounding="stochastic"``.
 
   ``step(params, state, *args, weight=None, force_emit=False)`` returns
   ``(params, state, loss)``, or ``(params, state, (loss, aux))`` with `has_aux`. The state
@@ -324,6 +336,7 @@ class TrainStep:
     mesh: Any = None,
     noise_scale: bool = False,
     rounding: str | None = None,
+    keep_unsharded: str | None = None,
   ):
     if callable(every_k):
       raise TypeError(
@@ -387,6 +400,11 @@ class TrainStep:
     # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
+    # FSDP: what stays unsharded for a window, with programs of its own (`_fsdp_train_step`).
+    self._fsdp = None
+    if keep_unsharded is not None:
+      self._fsdp = FsdpSteps(self, keep_unsharded)
+      self.tx = self._fsdp.tx
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
     """The two programs, by `emit`: the accumulating one (False) and the emitting one (True):
@@ -428,7 +446,7 @@ class TrainStep:
     parameters and their optimizer state must leave it sharded as they came in. Without
     `axis_name`, for parameters placed on a mesh (`_on_mesh`): the accumulator and the inner
     state sharded like the parameters (GSPMD reduces every micro-step into it)."""
-    if self._pinned:
+    if self._pinned or self._fsdp is not None:  # (FSDP: its programs pin their own)
       return
     if not self._cfg.axis.stacks:
       self._pinned = True
@@ -458,6 +476,9 @@ class TrainStep:
       _accumulate.check_private(self._cfg, "TrainStep.init", arrays)
     # Both halves of the mechanism or neither (the privacy package's check).
     _checks.private_check("train_step", "TrainStep.init", self._private, self._cfg, arrays)
+    fsdp = None if self._fsdp is None else self._fsdp.init(params)  # None: the state below
+    if fsdp is not None:
+      return fsdp
     if not self._cfg.axis.stacks:
       self._pin(params)
       specs = self._mesh_state_shardings(params)
@@ -738,6 +759,8 @@ class TrainStep:
     """Runs the accumulating program, and on an emitting micro-step the closing one after it
     (with every_k = 1, `axis_name`, or the sampled noise statistics, the one emitting program
     that adds and closes instead). Returns ``(params, state, grad_buffer, value)``."""
+    if self._fsdp is not None:  # FSDP: its own programs (`_fsdp_train_step`)
+      return self._fsdp.dispatch(emit, params, state, args, weight)
     if emit and self._fused_emit:
       return self._first(True, (params, state, grad_buffer, args, weight), state)
     inner = state.inner_state
@@ -833,6 +856,9 @@ class TrainStep:
     >>> float(loss)
     3.0
     """
+    if self._fsdp is not None:  # FSDP: the window's programs (`_fsdp_train_step`)
+      self._fsdp.compile(params, state, args, weight)
+      return self
     self._pin(params)
     params = _batch.hide_static(params)
     buffer = self._grad_buffer
@@ -848,7 +874,11 @@ class TrainStep:
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
     (with every_k = 1 either gives the one program, which adds and closes each window). With
     `axis_name`, ``emit=True`` gives the emitting program, which takes a micro-batch like the
-    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf."""
+    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf.
+    With `keep_unsharded`, the accumulating program as a window's calls run it (on the held
+    whole copy, except with "nothing"), or the closing program."""
+    if self._fsdp is not None:  # FSDP: the accumulating or the closing program
+      return self._fsdp.lower(emit, params, state, args, weight)
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer

@@ -52,3 +52,6 @@ def test_gpu_script_dry_run_writes_every_section():
                                                and "accumulator_bytes" in r}  # fmt: skip
   assert all(np.isfinite(r["held_out_loss"]) for r in lm_rows)
   assert "byte LM's final loss" in (out / "accel.md").read_text()
+  fsdp = json.loads((out / "fsdp.json").read_text())  # issue 43: three points per layout
+  assert {r["keep_unsharded"] for r in fsdp["rows"]} == {"nothing", "params", "params_and_grads"}
+  assert all(r["ms_per_update"] > 0 and r["memory"]["peak"] > 0 for r in fsdp["rows"])

@@ -223,7 +223,20 @@ OWN_PAGES = {
   "multi_device": set(),
   "optax_composition": set(),
   "planner": set(),
-  "sharding": set(),
+  # benchmarks/results/cpu/fsdp.md (the FSDP section's table, with its command):
+  "sharding": {
+    "56.0",
+    "31.5",
+    "7.0",
+    "5.75",
+    "9.75",
+    "13.5",
+    "5.63",
+    "9.06",
+    "13.13",
+    "1.24",
+    "0.81",
+  },
   "token_weighting": set(),  # 7.6 and 4.3 are math, derived from two {output} counts
 }
 

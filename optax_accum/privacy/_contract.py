@@ -258,6 +258,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "sharded leaf draws its own noise per model shard, a replicated one the same everywhere"),
   _R("layout", 'plain jit, mesh ("data", "model")', KEPT,
      "each leaf is one global array: norms and noise are global (Auto and Explicit axes)"),
+  _R("layout", 'plain jit, FSDP: keep_unsharded="nothing" / "params" / "params_and_grads"',
+     KEPT, "microbatch and TrainStep reduce-scatter the clipped sums instead of all-reducing "
+     "them: the same sums, sharded like the parameters; the noise is drawn once per update on "
+     "the global (sharded) arrays"),
 ))  # fmt: skip
 
 
