@@ -103,8 +103,8 @@ def _once(run):
 # The front ends, one update each, as functions of the mask.
 
 
-def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None):
-  tx = oa.accumulate(inner(), k, **{"reduction": "sum", **(tx_kw or {})})
+def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None, inner_tx=None):
+  tx = oa.accumulate(inner_tx or inner(), k, **{"reduction": "sum", **(tx_kw or {})})
   grad = grads or jax.grad(CLIPPED_LOSS)
 
   @jax.jit
@@ -585,12 +585,21 @@ def _resumed():
   return ratio(lambda m: two_updates(m, True))
 
 
+def _injected():
+  """The learning rate injected around the noise-first chain (the noise built once, outside the
+  factory, which optax calls again on every update)."""
+  built = noise()
+  tx = optax.inject_hyperparams(lambda learning_rate: optax.chain(built, optax.sgd(learning_rate)))
+  return ratio(accumulate_run(inner_tx=tx(learning_rate=1.0)))
+
+
 SENSITIVITY = {
   "microbatch:fun=clipped_grad(...), bfloat16 parameters": _bf16_microbatch,
   "clipped_grad:shared_argnums": _shared_table,
   "PoissonSampler:Mechanism: batch.take(x, y), the mask with the rows": _mechanism_take,
   "dp_noise:the state saved, dp_noise rebuilt with allow_key_reuse=True": _resumed,
   "accumulate:inner=chain(dp_noise(...), ...)": plain_accumulate,
+  "accumulate:inner=inject_hyperparams(lambda lr: chain(dp_noise(...), ...))": _injected,
   "accumulate:every_k=int": plain_accumulate,
   "accumulate:every_k=schedule": lambda: ratio(
     accumulate_run(k=lambda step: jnp.where(step == 0, STEPS, 5))

@@ -71,6 +71,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   # accumulate(inner, every_k, ...) and its update(grads, state, params, ...)
   _R("accumulate", "inner=chain(dp_noise(...), ...)", KEPT,
      "dp_noise runs once per window, on the emitting step, after the one all-reduce"),
+  _R("accumulate", "inner=inject_hyperparams(lambda lr: chain(dp_noise(...), ...))", KEPT,
+     "a hyperparameter set from the loop (a learning rate) changes what follows the noise only; "
+     "build dp_noise once, outside the factory (optax calls it on every update)"),
   _R("accumulate", "inner holding scale_by_gain", REFUSED,
      "a gain from the un-noised clipped sums scales the noised update", "scale_by_gain"),
   _R("accumulate", "every_k=int", KEPT, _SUM),

@@ -87,7 +87,10 @@ REFUSED: dict[str, str] = {
     "updates without noise, and the printed (ε, δ) is false. Use a fresh key for each run, "
     "e.g. `jax.random.fold_in(key, run_id)` or `jax.random.split(key)`; if this run resumes "
     "the same stream from a checkpoint (its state restored at its update count, so no noise "
-    "is drawn twice), pass allow_key_reuse=True."
+    "is drawn twice), pass allow_key_reuse=True. A dp_noise built inside a factory that optax "
+    "calls on every update (optax.inject_hyperparams(lambda lr: optax.chain(dp_noise(...), "
+    "...))) is built once per call: build it once, outside (noise = dp_noise(...); "
+    "optax.inject_hyperparams(lambda lr: optax.chain(noise, optax.sgd(lr))))."
   ),
 }
 
@@ -184,10 +187,15 @@ def _microbatch_unsplit(fun: Any, positions: Any, args: tuple) -> None:
 # The noise first in the inner chain, over every gradient.
 
 
+# `optax.inject_hyperparams`' states: their inner transformation sees the updates first.
+_INJECTED = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+
+
 def _first_node(state: Any, path: str = "") -> tuple[Any, str]:
   """The state of the inner optimizer's first transformation: through `optax.chain` (a plain
   tuple: its first element), `optax.named_chain` (a dict: its first entry) and
-  `optax.inject_hyperparams` (its inner state)."""
+  `optax.inject_hyperparams` (its inner state: `InjectHyperparamsState`, or
+  `InjectStatefulHyperparamsState`, the one optax 0.2.8 makes)."""
   if _checks._private_node(state):
     return state, path
   if type(state) is tuple and state:
@@ -195,7 +203,7 @@ def _first_node(state: Any, path: str = "") -> tuple[Any, str]:
   if isinstance(state, dict) and state:
     name = next(iter(state))
     return _first_node(state[name], f"{path}[{name!r}]")
-  if type(state).__name__ == "InjectHyperparamsState":
+  if type(state).__name__ in _INJECTED:
     return _first_node(state.inner_state, f"{path}.inner_state")
   return state, path
 
