@@ -100,3 +100,41 @@ def test_a_noise_built_inside_inject_hyperparams_factory_is_refused_with_the_fix
   outside = privacy.dp_noise(SIGMA, C, B, jax.random.key(4302))  # built once: accepted
   tx = oa.accumulate(injected(outside), 1, reduction="sum")
   tx.update(jax.tree.map(jnp.zeros_like, P0), tx.init(P0), P0)
+
+
+# ----------------------------------------------------------------------------------------------
+# A dict data set (the tfds / Hugging Face habit) through batch.take and Mechanism.
+
+
+def test_batch_take_takes_a_dict_data_set_and_mechanism_trains_on_it():
+  """Before: ``batch.take({"x": x, "y": y})`` raised "TypeError: unhashable type:
+  'numpy.ndarray'" (it indexed the dict). Now the dict's rows and the mask: the update of
+  ``loss(params, batch)`` on the dict equals that of ``loss(params, x, y)`` on the arrays."""
+  sampler = privacy.PoissonSampler(by_design.N, 0.25, 4, seed=3)
+  batch = sampler.batch(0)
+  data_set = {"x": by_design.X, "y": by_design.Y}
+  rows, mask = batch.take(data_set, microbatch=0)
+  at, want = batch.microbatch(0)
+  np.testing.assert_array_equal(rows["x"], by_design.X[at])
+  np.testing.assert_array_equal(rows["y"], by_design.Y[at])
+  np.testing.assert_array_equal(mask, want.astype(np.float32))
+
+  def dict_loss(p, batch):
+    return by_design.loss(p, batch["x"], batch["y"])
+
+  updates = []  # the same mechanism on the two spellings of the data
+  for fn, argnums, take in [
+    (dict_loss, 1, lambda j: batch.take(data_set, microbatch=j)),
+    (by_design.loss, (1, 2), lambda j: batch.take(by_design.X, by_design.Y, microbatch=j)),
+  ]:
+    mech = privacy.Mechanism(
+      fn, C, sampler=sampler, key=jax.random.key(4310), noise_multiplier=SIGMA,
+      batch_argnums=argnums, allow_key_reuse=True,  # the same noise: the updates compare
+    )  # fmt: skip
+    step = mech.train_step(optax.sgd(1.0), 8, donate=False)
+    state, p = step.init(P0), P0
+    for j in range(batch.num_microbatches):
+      p, state, _ = step(p, state, *take(j), force_emit=j == batch.num_microbatches - 1)
+    updates.append(p)
+  for a, b in zip(*map(jax.tree.leaves, updates), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
