@@ -827,6 +827,9 @@ REFUSALS = {
     oa.privacy.clipped_grad(loss, C, mask_argnum=3), STEPS, batch_argnums=(1, 2, 3)
   )(P0, X, Y, mask(True)),
   "clipped_loss:an argument with the batch's size not in batch_argnums": _unsplit_clipped_loss,
+  "clipped_loss:differentiated for parameters narrower than float32": lambda: jax.grad(
+    CLIPPED_LOSS
+  )(BF16, X[:16], Y[:16], mask(True)[:16]),
   "clipped_grad:inside shard_map(check_vma=False) or pmap": _clipped_without_variance,
   "dp_noise:inside shard_map(check_vma=False) or pmap": _noise_without_variance,
   "dp_noise:a key drawn from before in this process": _key_drawn_before,

@@ -687,7 +687,10 @@ def clipped_loss(
     `ClippedGrad`'s, and ``f.has_aux`` says whether it returns an aux.
 
   Raises:
-    TypeError, ValueError: as `clipped_grad` (a `has_aux` that is not a bool: TypeError).
+    TypeError, ValueError: as `clipped_grad` (a `has_aux` that is not a bool: TypeError);
+      when differentiated, for a parameter narrower than float32 (bfloat16, float16): its
+      gradient would be the clipped sum rounded to that dtype before the noise. Keep float32
+      parameters and cast them inside the loss, or use ``microbatch(clipped_grad(...))``.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)
@@ -717,6 +720,10 @@ def clipped_loss(
       return (out.value, out.aux) if opts.has_aux else out.value
 
     def fwd(arrays):
+      # The gradient has each parameter's dtype (a custom VJP must): narrower than float32,
+      # each clipped sum is rounded before the noise, on every front end (and a cast up after
+      # this cannot undo it), so the gradient of narrow parameters is refused here.
+      _guard.check_grads(opts.caller, arrays)
       out = clipped(arrays)
       primal = (out.value, out.aux) if opts.has_aux else out.value
       return primal, (out.sums, arrays)
@@ -724,8 +731,8 @@ def clipped_loss(
     def bwd(res, ct):
       sums, arrays = res
       ct = ct[0] if opts.has_aux else ct  # the aux's cotangent is not the loss's
-      # The cotangent of each parameter has its dtype (a custom VJP must): for a parameter
-      # narrower than float32, accumulate/TrainStep refuse that rounding before the noise.
+      # The cotangent of each parameter has its dtype (a custom VJP must): at least float32
+      # (`fwd` refuses narrower parameters).
       scaled = [(ct * g).astype(jnp.result_type(p)) for g, p in zip(sums, arrays, strict=True)]
       return (like_params(scaled, arrays),)
 

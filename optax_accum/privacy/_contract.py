@@ -217,6 +217,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "one example's label reaches every per-example gradient", "unsplit_argument"),
   _R("clipped_loss", "an argument with the batch's size not in batch_argnums", REFUSED,
      "as clipped_grad's (TrainStep, accumulate)", "unsplit_argument"),
+  _R("clipped_loss", "differentiated for parameters narrower than float32", REFUSED,
+     "its gradient has the parameters' dtype: each clipped sum rounded before the noise on every "
+     "front end (microbatch, a hand loop), and a cast up afterwards cannot undo it",
+     "narrow_sums"),
   _R("clipped_grad", "shared_argnums", KEPT,
      "an argument declared the same for every example: passed whole, as declared"),
   _R("clipped_grad", "inside shard_map(check_vma=False) or pmap", REFUSED,
