@@ -754,6 +754,24 @@ def _unsplit_microbatch():
   _raise_each(lambda: dp(P0, X, Y, mask(True)), alone)
 
 
+def _captured():
+  """The labels bound by functools.partial, and captured by a closure under jit."""
+  bound = oa.privacy.clipped_grad(functools.partial(loss, y=Y), C, mask_argnum=2)
+  closure = jax.jit(
+    lambda x, y, m: oa.privacy.clipped_grad(lambda p, xb: loss(p, xb, y), C, mask_argnum=2)(
+      P0, x, m
+    )
+  )
+  _raise_each(lambda: bound(P0, X, mask(True)), lambda: closure(X, Y, mask(True)))
+
+
+def _captured_microbatch():
+  """The logical batch's labels captured by the loss of the clipped function microbatch runs
+  (its micro-batches are a third of their size)."""
+  clipped = oa.privacy.clipped_grad(lambda p, x: loss(p, x, Y), C, mask_argnum=2)
+  oa.microbatch(clipped, STEPS, batch_argnums=(1, 2))(P0, X, mask(True))
+
+
 def _unsplit_clipped_loss():
   """clipped_loss(loss, C, mask_argnum=3): the labels (argument 2) not split, through TrainStep
   and accumulate."""
@@ -827,6 +845,8 @@ REFUSALS = {
     oa.privacy.clipped_grad(loss, C, mask_argnum=3), STEPS, batch_argnums=(1, 2, 3)
   )(P0, X, Y, mask(True)),
   "clipped_loss:an argument with the batch's size not in batch_argnums": _unsplit_clipped_loss,
+  "clipped_grad:a loss capturing an array with the batch's size (closure, partial)": _captured,
+  "microbatch:fun whose loss captures the whole batch (closure, partial)": _captured_microbatch,
   "clipped_loss:differentiated for parameters narrower than float32": lambda: jax.grad(
     CLIPPED_LOSS
   )(BF16, X[:16], Y[:16], mask(True)[:16]),

@@ -362,6 +362,8 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
     opts.caller, "example", (None, *args), nums, set(opts.shared), size, jax.tree.leaves(batch),
     nums,
   )  # fmt: skip
+  # The same held by the loss itself (captured by a closure, bound by functools.partial).
+  _guard.check_captured(opts.caller, "example", loss, size, jax.tree.leaves(batch), args)
   real = _real(mask, size)
   batch_axes = _axes_of(batch + [real])
 
@@ -572,7 +574,9 @@ def clipped_grad(
       example on purpose: the same for every example, though their leading size may be the
       batch's. Any other argument with the batch's leading size raises (at the first call): the
       labels of ``loss(params, x, y)`` left out of `batch_argnums` would reach every example's
-      gradient.
+      gradient. So does an array with that size that `loss` holds without taking it as an
+      argument (captured by a closure, bound by `functools.partial`, a global it reads): pass
+      it as an argument, here if it is shared.
     has_aux: `loss` returns ``(value, aux)``; each example's aux is returned (``ClipAux.aux``,
       one row per example, padding rows 0): stacked along a new leading axis, whose next axis
       is dropped where it has size 1 (the example's batch axis: its ``(1, 10)`` logits come

@@ -206,6 +206,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("microbatch", "an argument with the batch's size not in batch_argnums", REFUSED,
      "passed whole to every micro-batch: each micro-batch's examples see all of it (also "
      "inside data_parallel, where it is the global batch)", "unsplit_argument"),
+  _R("microbatch", "fun whose loss captures the whole batch (closure, partial)", REFUSED,
+     "every micro-batch's examples see all of it (the logical batch's labels captured by the "
+     "loss of a clipped_grad)", "captured_batch"),
   _R("microbatch", "num_real_microbatches, fun without mask_argnum", REFUSED,
      "a padded batch whose padding rows (copies of example 0) would count", "unmasked_padding"),
   _R("microbatch", "fun=clipped_grad(...), bfloat16 parameters", MADE_RIGHT,
@@ -215,6 +218,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("clipped_grad", "an argument with the batch's size not in batch_argnums", REFUSED,
      "passed whole to every example (the labels of loss(params, x, y) with batch_argnums=1): "
      "one example's label reaches every per-example gradient", "unsplit_argument"),
+  _R("clipped_grad", "a loss capturing an array with the batch's size (closure, partial)", REFUSED,
+     "lambda p, x: loss(p, x, y) or functools.partial(loss, y=y): the labels reach every "
+     "per-example gradient, as when left out of batch_argnums", "captured_batch"),
   _R("clipped_loss", "an argument with the batch's size not in batch_argnums", REFUSED,
      "as clipped_grad's (TrainStep, accumulate)", "unsplit_argument"),
   _R("clipped_loss", "differentiated for parameters narrower than float32", REFUSED,
