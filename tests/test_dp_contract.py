@@ -103,8 +103,8 @@ def _once(run):
 # The front ends, one update each, as functions of the mask.
 
 
-def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None):
-  tx = oa.accumulate(inner(), k, **{"reduction": "sum", **(tx_kw or {})})
+def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None, inner_tx=None):
+  tx = oa.accumulate(inner_tx or inner(), k, **{"reduction": "sum", **(tx_kw or {})})
   grad = grads or jax.grad(CLIPPED_LOSS)
 
   @jax.jit
@@ -585,12 +585,21 @@ def _resumed():
   return ratio(lambda m: two_updates(m, True))
 
 
+def _injected():
+  """The learning rate injected around the noise-first chain (the noise built once, outside the
+  factory, which optax calls again on every update)."""
+  built = noise()
+  tx = optax.inject_hyperparams(lambda learning_rate: optax.chain(built, optax.sgd(learning_rate)))
+  return ratio(accumulate_run(inner_tx=tx(learning_rate=1.0)))
+
+
 SENSITIVITY = {
   "microbatch:fun=clipped_grad(...), bfloat16 parameters": _bf16_microbatch,
   "clipped_grad:shared_argnums": _shared_table,
   "PoissonSampler:Mechanism: batch.take(x, y), the mask with the rows": _mechanism_take,
   "dp_noise:the state saved, dp_noise rebuilt with allow_key_reuse=True": _resumed,
   "accumulate:inner=chain(dp_noise(...), ...)": plain_accumulate,
+  "accumulate:inner=inject_hyperparams(lambda lr: chain(dp_noise(...), ...))": _injected,
   "accumulate:every_k=int": plain_accumulate,
   "accumulate:every_k=schedule": lambda: ratio(
     accumulate_run(k=lambda step: jnp.where(step == 0, STEPS, 5))
@@ -781,6 +790,24 @@ def _unsplit_microbatch():
   _raise_each(lambda: dp(P0, X, Y, mask(True)), alone)
 
 
+def _captured():
+  """The labels bound by functools.partial, and captured by a closure under jit."""
+  bound = oa.privacy.clipped_grad(functools.partial(loss, y=Y), C, mask_argnum=2)
+  closure = jax.jit(
+    lambda x, y, m: oa.privacy.clipped_grad(lambda p, xb: loss(p, xb, y), C, mask_argnum=2)(
+      P0, x, m
+    )
+  )
+  _raise_each(lambda: bound(P0, X, mask(True)), lambda: closure(X, Y, mask(True)))
+
+
+def _captured_microbatch():
+  """The logical batch's labels captured by the loss of the clipped function microbatch runs
+  (its micro-batches are a third of their size)."""
+  clipped = oa.privacy.clipped_grad(lambda p, x: loss(p, x, Y), C, mask_argnum=2)
+  oa.microbatch(clipped, STEPS, batch_argnums=(1, 2))(P0, X, mask(True))
+
+
 def _unsplit_clipped_loss():
   """clipped_loss(loss, C, mask_argnum=3): the labels (argument 2) not split, through TrainStep
   and accumulate."""
@@ -854,6 +881,11 @@ REFUSALS = {
     oa.privacy.clipped_grad(loss, C, mask_argnum=3), STEPS, batch_argnums=(1, 2, 3)
   )(P0, X, Y, mask(True)),
   "clipped_loss:an argument with the batch's size not in batch_argnums": _unsplit_clipped_loss,
+  "clipped_grad:a loss capturing an array with the batch's size (closure, partial)": _captured,
+  "microbatch:fun whose loss captures the whole batch (closure, partial)": _captured_microbatch,
+  "clipped_loss:differentiated for parameters narrower than float32": lambda: jax.grad(
+    CLIPPED_LOSS
+  )(BF16, X[:16], Y[:16], mask(True)[:16]),
   "clipped_grad:inside shard_map(check_vma=False) or pmap": _clipped_without_variance,
   "dp_noise:inside shard_map(check_vma=False) or pmap": _noise_without_variance,
   "dp_noise:a key drawn from before in this process": _key_drawn_before,

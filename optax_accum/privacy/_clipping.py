@@ -362,6 +362,8 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
     opts.caller, "example", (None, *args), nums, set(opts.shared), size, jax.tree.leaves(batch),
     nums,
   )  # fmt: skip
+  # The same held by the loss itself (captured by a closure, bound by functools.partial).
+  _guard.check_captured(opts.caller, "example", loss, size, jax.tree.leaves(batch), args)
   real = _real(mask, size)
   batch_axes = _axes_of(batch + [real])
 
@@ -572,7 +574,9 @@ def clipped_grad(
       example on purpose: the same for every example, though their leading size may be the
       batch's. Any other argument with the batch's leading size raises (at the first call): the
       labels of ``loss(params, x, y)`` left out of `batch_argnums` would reach every example's
-      gradient.
+      gradient. So does an array with that size that `loss` holds without taking it as an
+      argument (captured by a closure, bound by `functools.partial`, a global it reads): pass
+      it as an argument, here if it is shared.
     has_aux: `loss` returns ``(value, aux)``; each example's aux is returned (``ClipAux.aux``,
       one row per example, padding rows 0): stacked along a new leading axis, whose next axis
       is dropped where it has size 1 (the example's batch axis: its ``(1, 10)`` logits come
@@ -687,7 +691,10 @@ def clipped_loss(
     `ClippedGrad`'s, and ``f.has_aux`` says whether it returns an aux.
 
   Raises:
-    TypeError, ValueError: as `clipped_grad` (a `has_aux` that is not a bool: TypeError).
+    TypeError, ValueError: as `clipped_grad` (a `has_aux` that is not a bool: TypeError);
+      when differentiated, for a parameter narrower than float32 (bfloat16, float16): its
+      gradient would be the clipped sum rounded to that dtype before the noise. Keep float32
+      parameters and cast them inside the loss, or use ``microbatch(clipped_grad(...))``.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)
@@ -717,6 +724,10 @@ def clipped_loss(
       return (out.value, out.aux) if opts.has_aux else out.value
 
     def fwd(arrays):
+      # The gradient has each parameter's dtype (a custom VJP must): narrower than float32,
+      # each clipped sum is rounded before the noise, on every front end (and a cast up after
+      # this cannot undo it), so the gradient of narrow parameters is refused here.
+      _guard.check_grads(opts.caller, arrays)
       out = clipped(arrays)
       primal = (out.value, out.aux) if opts.has_aux else out.value
       return primal, (out.sums, arrays)
@@ -724,8 +735,8 @@ def clipped_loss(
     def bwd(res, ct):
       sums, arrays = res
       ct = ct[0] if opts.has_aux else ct  # the aux's cotangent is not the loss's
-      # The cotangent of each parameter has its dtype (a custom VJP must): for a parameter
-      # narrower than float32, accumulate/TrainStep refuse that rounding before the noise.
+      # The cotangent of each parameter has its dtype (a custom VJP must): at least float32
+      # (`fwd` refuses narrower parameters).
       scaled = [(ct * g).astype(jnp.result_type(p)) for g, p in zip(sums, arrays, strict=True)]
       return (like_params(scaled, arrays),)
 

@@ -71,6 +71,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   # accumulate(inner, every_k, ...) and its update(grads, state, params, ...)
   _R("accumulate", "inner=chain(dp_noise(...), ...)", KEPT,
      "dp_noise runs once per window, on the emitting step, after the one all-reduce"),
+  _R("accumulate", "inner=inject_hyperparams(lambda lr: chain(dp_noise(...), ...))", KEPT,
+     "a hyperparameter set from the loop (a learning rate) changes what follows the noise only; "
+     "build dp_noise once, outside the factory (optax calls it on every update)"),
   _R("accumulate", "inner holding scale_by_gain", REFUSED,
      "a gain from the un-noised clipped sums scales the noised update", "scale_by_gain"),
   _R("accumulate", "every_k=int", KEPT, _SUM),
@@ -203,6 +206,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("microbatch", "an argument with the batch's size not in batch_argnums", REFUSED,
      "passed whole to every micro-batch: each micro-batch's examples see all of it (also "
      "inside data_parallel, where it is the global batch)", "unsplit_argument"),
+  _R("microbatch", "fun whose loss captures the whole batch (closure, partial)", REFUSED,
+     "every micro-batch's examples see all of it (the logical batch's labels captured by the "
+     "loss of a clipped_grad)", "captured_batch"),
   _R("microbatch", "num_real_microbatches, fun without mask_argnum", REFUSED,
      "a padded batch whose padding rows (copies of example 0) would count", "unmasked_padding"),
   _R("microbatch", "fun=clipped_grad(...), bfloat16 parameters", MADE_RIGHT,
@@ -212,8 +218,15 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("clipped_grad", "an argument with the batch's size not in batch_argnums", REFUSED,
      "passed whole to every example (the labels of loss(params, x, y) with batch_argnums=1): "
      "one example's label reaches every per-example gradient", "unsplit_argument"),
+  _R("clipped_grad", "a loss capturing an array with the batch's size (closure, partial)", REFUSED,
+     "lambda p, x: loss(p, x, y) or functools.partial(loss, y=y): the labels reach every "
+     "per-example gradient, as when left out of batch_argnums", "captured_batch"),
   _R("clipped_loss", "an argument with the batch's size not in batch_argnums", REFUSED,
      "as clipped_grad's (TrainStep, accumulate)", "unsplit_argument"),
+  _R("clipped_loss", "differentiated for parameters narrower than float32", REFUSED,
+     "its gradient has the parameters' dtype: each clipped sum rounded before the noise on every "
+     "front end (microbatch, a hand loop), and a cast up afterwards cannot undo it",
+     "narrow_sums"),
   _R("clipped_grad", "shared_argnums", KEPT,
      "an argument declared the same for every example: passed whole, as declared"),
   _R("clipped_grad", "inside shard_map(check_vma=False) or pmap", REFUSED,

@@ -13,6 +13,7 @@ and the fix; the rows of `_contract.CONTRACT` name these keys.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import jax
@@ -34,6 +35,18 @@ REFUSED: dict[str, str] = {
     "the examples (e.g. (1, 2) for loss(params, x, y)); if an argument really is the same for "
     "every example and only happens to have that size, declare it with "
     "privacy.clipped_grad/clipped_loss(..., shared_argnums=...)."
+  ),
+  "captured_batch": (
+    "{caller}: the loss holds an array with leading size {size}, the size of the batch being "
+    "split per {unit}, that is not one of its arguments ({where}, shape {shape}): a closure, "
+    "a functools.partial or a global passes it whole to every {unit}, so every {unit}'s loss "
+    "sees all of it (e.g. the labels y captured by `lambda params, x: loss(params, x, y)` or "
+    "bound by `functools.partial(loss, y=y)`) and one example reaches every other's clipped "
+    "gradient: clipping no longer bounds its contribution, and the printed (ε, δ) is false. "
+    "Use an argument for it, split with the examples (e.g. clipped_grad(loss, C, "
+    "batch_argnums=(1, 2)) for loss(params, x, y)); if it really is the same for every "
+    "example and only happens to have that size, pass it as an argument declared with "
+    "shared_argnums=..."
   ),
   "noise_not_first": (
     "{caller}: the inner optimizer {ON} has {what} before dp_noise (or dp_noise sees only part "
@@ -87,7 +100,10 @@ REFUSED: dict[str, str] = {
     "updates without noise, and the printed (ε, δ) is false. Use a fresh key for each run, "
     "e.g. `jax.random.fold_in(key, run_id)` or `jax.random.split(key)`; if this run resumes "
     "the same stream from a checkpoint (its state restored at its update count, so no noise "
-    "is drawn twice), pass allow_key_reuse=True."
+    "is drawn twice), pass allow_key_reuse=True. A dp_noise built inside a factory that optax "
+    "calls on every update (optax.inject_hyperparams(lambda lr: optax.chain(dp_noise(...), "
+    "...))) is built once per call: build it once, outside (noise = dp_noise(...); "
+    "optax.inject_hyperparams(lambda lr: optax.chain(noise, optax.sgd(lr))))."
   ),
 }
 
@@ -149,6 +165,76 @@ def check_unsplit(
         )  # fmt: skip
 
 
+def _captured(fun: Any, depth: int = 6) -> list[tuple[str, Any]]:
+  """``(where, leaf)`` for each array a function holds besides its arguments: the arguments and
+  keywords a `functools.partial` binds, the cells of a closure and the globals its code reads,
+  through the functions they hold (a helper that captures the labels; a global one from the
+  same module), `__wrapped__` (`jax.grad`) and a private callable's own function
+  (`ClippedGrad.fun`), `depth` functions deep."""
+  found: list[tuple[str, Any]] = []
+  seen: set[int] = set()
+
+  def value(v: Any, where: str, depth: int) -> None:
+    if isinstance(v, functools.partial) or hasattr(v, "__code__") or _checks._declares_private(v):
+      function(v, where, depth - 1)
+      return
+    if v is None or isinstance(v, str | bytes | int | float | type | types.ModuleType):
+      return
+    for path, leaf in jax.tree_util.tree_leaves_with_path(v):
+      if _leading(leaf) is not None:
+        found.append((f"{where}{jax.tree_util.keystr(path)}", leaf))
+
+  def function(f: Any, where: str, depth: int) -> None:
+    if depth < 0 or id(f) in seen:
+      return
+    seen.add(id(f))
+    if isinstance(f, functools.partial):
+      value(f.func, where, depth)
+      for i, a in enumerate(f.args):
+        value(a, f"{where}: functools.partial's argument {i}", depth)
+      for name, a in f.keywords.items():
+        value(a, f"{where}: functools.partial's {name}=", depth)
+      return
+    inner = getattr(f, "__wrapped__", None)
+    if inner is None and _checks._declares_private(f):
+      inner = getattr(f, "fun", None)
+    if inner is not None:
+      value(inner, where, depth)
+    code, cells = getattr(f, "__code__", None), getattr(f, "__closure__", None) or ()
+    for name, cell in zip(getattr(code, "co_freevars", ()), cells, strict=False):
+      try:
+        held = cell.cell_contents
+      except ValueError:  # a cell not filled yet
+        continue
+      value(held, f"{where}: {getattr(f, '__qualname__', 'a function')} captures {name}", depth)
+    # The globals it reads (a notebook's `y_batch`); functions only from its own module.
+    names, module = getattr(code, "co_names", ()), getattr(f, "__module__", None)
+    for name in names:
+      held = getattr(f, "__globals__", {}).get(name)
+      if hasattr(held, "__code__") and getattr(held, "__module__", None) != module:
+        continue
+      value(held, f"{where}: {getattr(f, '__qualname__', 'a function')} reads global {name}", depth)
+
+  value(fun, "the loss", depth + 1)
+  return found
+
+
+def check_captured(
+  caller: str, unit: str, fun: Any, size: int, batch_leaves: list, exempt: Any = ()
+) -> None:
+  """Raises ``captured_batch`` for an array that `fun` holds in a closure, a
+  `functools.partial` or a global it reads (not an argument) whose leading size is the batch's
+  `size` (or that times the mapped axes the batch is split over); `exempt` are arrays passed as
+  arguments too (the same object: declared, not captured)."""
+  ids = {id(x) for x in jax.tree.leaves(exempt)}
+  for where, leaf in _captured(fun):
+    if id(leaf) not in ids and _leading(leaf) in _sizes(size, batch_leaves, leaf):
+      refuse(
+        "captured_batch", caller, size=_leading(leaf), unit=unit, where=where,
+        shape=tuple(jnp.shape(leaf)),
+      )  # fmt: skip
+
+
 def shared_argnums(fun: Any) -> tuple[int, ...]:
   """The positions a private function declares passed whole to every example
   (``shared_argnums`` of `clipped_grad`/`clipped_loss`, found through its wrappers; a
@@ -178,16 +264,23 @@ def _microbatch_unsplit(fun: Any, positions: Any, args: tuple) -> None:
     "microbatch", "micro-batch", args, positions.batch, exempt, int(sized[0]),
     [x for x, _ in leaves], positions.batch,
   )  # fmt: skip
+  # The whole batch captured by the loss (a closure, a functools.partial), not split either.
+  check_captured("microbatch", "micro-batch", fun, int(sized[0]), [x for x, _ in leaves], args)
 
 
 # ----------------------------------------------------------------------------------------------
 # The noise first in the inner chain, over every gradient.
 
 
+# `optax.inject_hyperparams`' states: their inner transformation sees the updates first.
+_INJECTED = ("InjectHyperparamsState", "InjectStatefulHyperparamsState")
+
+
 def _first_node(state: Any, path: str = "") -> tuple[Any, str]:
   """The state of the inner optimizer's first transformation: through `optax.chain` (a plain
   tuple: its first element), `optax.named_chain` (a dict: its first entry) and
-  `optax.inject_hyperparams` (its inner state)."""
+  `optax.inject_hyperparams` (its inner state: `InjectHyperparamsState`, or
+  `InjectStatefulHyperparamsState`, the one optax 0.2.8 makes)."""
   if _checks._private_node(state):
     return state, path
   if type(state) is tuple and state:
@@ -195,7 +288,7 @@ def _first_node(state: Any, path: str = "") -> tuple[Any, str]:
   if isinstance(state, dict) and state:
     name = next(iter(state))
     return _first_node(state[name], f"{path}[{name!r}]")
-  if type(state).__name__ == "InjectHyperparamsState":
+  if type(state).__name__ in _INJECTED:
     return _first_node(state.inner_state, f"{path}.inner_state")
   return state, path
 

@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from optax_accum._typing import SPLITS, Split
@@ -88,19 +89,21 @@ class PoissonBatch(NamedTuple):
     ``step(params, state, *batch.take(x, y, microbatch=i))``.
 
     Args:
-      *arrays: arrays (NumPy or JAX) whose leading axis is the data set's examples.
+      *arrays: arrays (NumPy or JAX) whose leading axis is the data set's examples, or pytrees
+        of them (a dict data set, ``{"image": ..., "label": ...}``: its rows, the same dict).
       microbatch: None for the whole padded batch, or `i` for micro-batch `i` in this batch's
         layout (`microbatch`).
 
     Returns:
-      ``(rows of arrays[0], rows of arrays[1], ..., mask)``; the mask is float32 (1 for sampled
-      rows, 0 for padding).
+      ``(rows of arrays[0], rows of arrays[1], ..., mask)`` (each a pytree like its argument);
+      the mask is float32 (1 for sampled rows, 0 for padding).
     """
     if microbatch is None:
       at, mask = self.indices, self.mask
     else:
       at, mask = self.microbatch(microbatch)
-    return (*(a[at] for a in arrays), mask.astype(np.float32))
+    rows = tuple(jax.tree.map(lambda a: a[at], tree) for tree in arrays)
+    return (*rows, mask.astype(np.float32))
 
 
 class PoissonSampler:
