@@ -18,6 +18,7 @@ import numpy as np
 
 from optax_accum import _audit_keys as keys
 from optax_accum import _audit_run as run
+from optax_accum._audit_collectives import data_axis
 from optax_accum._audit_report import (
   Check,
   coefficients,
@@ -208,10 +209,23 @@ def _weights_figure(s: run.Setup, fitted: Fitted, ref: Any) -> str:
   scale = float(c.sum() / want.sum())
   if rel(c / c.sum(), want / want.sum()) <= SAME_PROPORTIONS:
     figure = f"the proportions are the large batch's, the scale {scale:.4g}× its gradient"
+    devices = _data_devices(s)
     if abs(scale * s.k - 1) < 0.01:
-      figure += ": the mean of a sum over examples (average micro-batch sums: use reduction='sum')"
+      figure += (
+        ": the mean of a sum over examples, or a division by k done twice (average micro-batch "
+        "sums: use reduction='sum')"
+      )
     elif abs(scale - s.k) < 0.01 * s.k:
-      figure += ": the sum of micro-batch means (use reduction='mean', or a loss that sums)"
+      figure += (
+        ": the sum of micro-batch means, a division by k forgotten (use reduction='mean', or a "
+        "loss that sums)"
+      )
+    elif devices > 1 and abs(scale - devices) < 0.01 * devices:
+      figure += (
+        f": the {devices} devices of the data axis summed where a mean was meant (a psum for a "
+        "pmean; inside shard_map, jax.grad of parameters not pcast to varying has summed "
+        "over the axis already)"
+      )
     return figure
   figure = f"your loop weighs the {fitted.units} {coefficients(c)}, the large batch "
   figure += coefficients(want)
@@ -223,6 +237,15 @@ def _weights_figure(s: run.Setup, fitted: Fitted, ref: Any) -> str:
     if rel(declared, c) <= SAME_PROPORTIONS:
       figure += " (the loop's: they are not the large batch's)"
   return figure
+
+
+def _data_devices(s: run.Setup) -> int:
+  """The devices along the data axis of `s.mesh` (1 without a mesh)."""
+  axis = data_axis(s)
+  if s.mesh is None or axis is None:
+    return 1
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  return int(np.prod([s.mesh.shape[a] for a in axes if a in s.mesh.axis_names]))
 
 
 def decomposable(ref: Any) -> Check:

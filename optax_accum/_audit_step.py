@@ -88,7 +88,7 @@ def read_back(
   zeros = jax.tree.map(jnp.zeros_like, params)
   ones = jax.tree.map(jnp.ones_like, params)
   r = jax.tree.map(
-    lambda x, i: jax.random.normal(jax.random.key(i), x.shape, x.dtype),
+    lambda x, i: _placed(jax.random.normal(jax.random.key(i), x.shape, x.dtype), x),
     params, jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))),
   )  # fmt: skip
   f0, f1, fr = update(zeros), update(ones), update(r)
@@ -111,6 +111,12 @@ def read_back(
         slack = _update_slack(params_after, b, grads)
       return ReadBack(grads, slack, source)
   return None
+
+
+def _placed(x: Any, like: Any) -> Any:
+  """`x` placed as `like` (a probe beside parameters on a mesh: one program, one device set)."""
+  sharding = getattr(like, "sharding", None)
+  return x if sharding is None else jax.device_put(x, sharding)
 
 
 def _read(got: Any, a: Any, b: Any, c: Any, r: Any) -> tuple[Any, float] | None:
