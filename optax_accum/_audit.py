@@ -126,8 +126,13 @@ class Reference:
     leaves = jax.tree.leaves(self.large(s.params))
     dtypes = [x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
+    computed = compute_dtype(s)
+    self.threshold = ""
+    if computed is not None and jnp.finfo(computed).eps > jnp.finfo(self.dtype).eps:
+      self.dtype, self.threshold = computed, f", the loss computing in {jnp.dtype(computed).name}"
     self.tol = tolerance(self.dtype, s.k)
-    self.threshold = f"<= {fmt(self.tol)} ({TOL_UNITS}·k·eps({jnp.dtype(self.dtype).name}))"
+    name = jnp.dtype(self.dtype).name
+    self.threshold = f"<= {fmt(self.tol)} ({TOL_UNITS}·k·eps({name}){self.threshold})"
     self.same_pieces = self._same_pieces()
     self.moved = 0.0
     self.not_sum = self._decompose()
@@ -224,6 +229,39 @@ class Reference:
     as_mean = as_sum * (w.sum() / w2.sum()) if w2.sum() else as_sum
     self.moved = min(rel(as_sum, got), rel(as_mean, got))
     return self.moved > self.tol
+
+
+def compute_dtype(s: run.Setup) -> Any:
+  """The least precise floating dtype the gradient of one micro-batch is computed in (the
+  output of any operation but a cast), or None: a loss that casts float32 parameters to
+  bfloat16 rounds every product to bfloat16, and the large batch and the micro-batches then
+  differ by bfloat16's rounding whatever the gradients' own dtype."""
+  jaxpr = jax.make_jaxpr(jax.grad(s.loss))(s.params, s.micro[0])
+  found: list[Any] = []
+
+  def visit(j: Any) -> None:
+    for eqn in j.eqns:
+      if eqn.primitive.name != "convert_element_type":
+        for v in eqn.outvars:
+          dtype = getattr(getattr(v, "aval", None), "dtype", None)
+          if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            found.append(dtype)
+      for sub in _sub_jaxprs(eqn.params.values()):
+        visit(sub)
+
+  visit(jaxpr.jaxpr)
+  return max(found, key=lambda d: jnp.finfo(d).eps) if found else None
+
+
+def _sub_jaxprs(values: Any) -> list[Any]:
+  """The jaxprs among an equation's parameters (a scan's body, a cond's branches, a pjit's)."""
+  out = []
+  for v in values:
+    for x in v if isinstance(v, (tuple, list)) else (v,):
+      inner = getattr(x, "jaxpr", x)
+      if hasattr(inner, "eqns"):
+        out.append(inner)
+  return out
 
 
 def _swapped(x: Any, heavy: int, light: int, k: int) -> Any:

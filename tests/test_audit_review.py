@@ -69,6 +69,23 @@ def bf16_loss(params, batch):
   return ref.mlp_loss(cast(params), cast(batch)).astype(jnp.float32)
 
 
+def test_bfloat16_compute_over_float32_master_weights():
+  """The gradients are float32, but every product was rounded to bfloat16: the large batch and
+  the micro-batches differ by bfloat16's rounding. The exact loop passes with the loss called a
+  sum over examples (it was called "not a sum over examples", and every row said n/a), and a
+  mean of means over unequal token counts fails (it passed)."""
+  exact = optax_accum.audit(
+    bf16_loss, PARAMS, BATCH, K, step=make_step(ADAM, mean_grads, bf16_loss), optimizer=ADAM
+  )
+  assert exact.ok, str(exact)
+  assert verdicts(exact)["decomposable"] == "ok", str(exact)
+  assert "the loss computing in bfloat16" in exact["equivalence: gradient"].threshold
+  mean_of_means = optax_accum.audit(
+    bf16_loss, PARAMS, TOKENS, K, step=make_step(ADAM, mean_grads, bf16_loss), optimizer=ADAM
+  )
+  assert mean_of_means["weighting"].verdict == "FAIL", str(mean_of_means)
+
+
 # ----------------------------------------------------------------------------------------------
 # Broken loops: FAIL in the row that names the bug.
 
