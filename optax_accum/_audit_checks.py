@@ -154,13 +154,15 @@ def counted(s: run.Setup, ref: Any, out: run.Run) -> Check:
   if len(kept) == 1:
     seen += f": only {unit} {kept[0]} counted"
   else:
-    seen += f": {unit}s {', '.join(map(str, miss))} not counted"
+    units = unit if len(miss) == 1 else ("micro-batches" if unit == "micro-batch" else "shares")
+    seen += f": {units} {', '.join(map(str, miss))} not counted"
   return Check(name, "FAIL", seen, threshold)
 
 
 def _carried_over(s: run.Setup, ref: Any, out: run.Run) -> Check | None:
   """A later update whose gradient also holds the window before's micro-batches (an
-  accumulator not zeroed after an update), else None."""
+  accumulator not zeroed after an update) or leaves out some of its own (one zeroed a
+  micro-step late), else None."""
   for j in range(1, len(out.windows)):
     w, prev = out.windows[j], out.windows[j - 1]
     if w.grads is None or prev.grads is None:
@@ -177,6 +179,16 @@ def _carried_over(s: run.Setup, ref: Any, out: run.Run) -> Check | None:
         f"c = {coefficients(c[: s.k])} + {coefficients(old)} (residual {fmt(residual)}): "
         "micro-batches of an earlier window counted again (an accumulator not zeroed after "
         "its update?)"
+      )
+      return Check("every micro-batch counted", "FAIL", figure, "each micro-batch in one update")
+    own, residual = fit(ref.pieces(w.params), got)
+    miss = _missing(own, ref.implied)
+    if residual <= ref.tol + w.grad_slack and miss:
+      figure = (
+        f"update {j + 1}'s gradient fits Σ cᵢgᵢ over its own micro-batches, c = "
+        f"{coefficients(own)} (residual {fmt(residual)}): micro-batch"
+        f"{'es' if len(miss) > 1 else ''} {', '.join(map(str, miss))} not counted (the first "
+        "window counts them all: an accumulator zeroed a micro-step late?)"
       )
       return Check("every micro-batch counted", "FAIL", figure, "each micro-batch in one update")
   return None

@@ -120,6 +120,19 @@ def micro_step_of(tx, loss_fn=ref.mlp_loss):
   return train_step
 
 
+def test_accumulator_zeroed_a_micro_step_late():
+  """The first window is exact, the second leaves out its micro-batch 0: the row names it (it
+  said ok while equivalence failed)."""
+  tx = zeroed_late(SGD)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=micro_step_of(tx), optimizer=SGD,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  counted = report["every micro-batch counted"]
+  assert counted.verdict == "FAIL", str(report)
+  assert "update 2's gradient" in counted.figure and "micro-batch 0 not counted" in counted.figure
+
+
 def test_division_by_k_twice_is_named():
   def twice(loss_fn, params, batch):
     return jax.tree.map(lambda g: g / K, mean_grads(loss_fn, params, batch))
