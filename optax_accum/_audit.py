@@ -303,6 +303,14 @@ def _none(x: Any) -> bool:
   return x is None
 
 
+def _programs(s: run.Setup, out: run.Run) -> list[tuple[str, str]] | None:
+  """The loop's compiled programs where the collectives row reads them (with a mesh or an
+  axis): compiling a step again costs seconds, for nothing on one device."""
+  if out.programs is None or (s.mesh is None and s.axis_name is None):
+    return None
+  return out.programs()
+
+
 def _run(s: run.Setup, front_end: Any) -> run.Run:
   if s.step is not None:
     return _audit_step.run_step(s)
@@ -432,6 +440,9 @@ def audit(
   _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap, reduction)
   _check_step(step, micro_step, front_end, optimizer, opt_state)
   _check_rng(rng)
+  if step is not None or micro_step is not None:
+    what = "step" if step is not None else "micro_step"
+    _audit_step.check_signature(step or micro_step, what, rng is not None)
   _batch_size(batch, k)
   s = _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name,
              accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip
@@ -452,7 +463,7 @@ def audit(
     checks.randomness(s, ref, draws, out),
     last,
     checks.decomposable(ref),
-    collectives.check(s, None if out.programs is None else out.programs(), _IN_STEP_NOTE),
+    collectives.check(s, _programs(s, out), _IN_STEP_NOTE),
     accumulator,
     checks.memory(s, in_step, acc_bytes),
   )

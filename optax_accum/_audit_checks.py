@@ -95,6 +95,8 @@ def equivalence(ref: Any, out: run.Run) -> Check:
   name = "equivalence: gradient"
   if ref.not_sum:
     return na(name, "see 'decomposable'")
+  if not out.windows:
+    return Check(name, "FAIL", out.note or "the loop made no update in 2k micro-steps", "")
   if out.note and all(w.grads is None for w in out.windows):
     return na(name, out.note)
   rows = _window_diffs(ref, out)
@@ -114,9 +116,15 @@ def _window_length(s: run.Setup, out: run.Run) -> Check | None:
     return None
   calls = out.windows[0].calls
   figure = (
-    f"your loop updated after {calls} micro-batches, not k={s.k}: its window is {calls} "
-    f"micro-batches long (every_k={calls} where the audit was told k={s.k}?)"
+    f"your loop updated after {calls} micro-batch{'es' if calls > 1 else ''}, not k={s.k}: its "
+    f"window is {calls} micro-batch{'es' if calls > 1 else ''} long (every_k={calls} where the "
+    f"audit was told k={s.k}?)"
   )
+  if calls == 1 and s.step is not None:
+    figure += (
+      "; an update on every call: if that is a whole step (it accumulates inside), pass it as "
+      "step=, not micro_step="
+    )
   return Check("every micro-batch counted", "FAIL", figure, f"an update every k={s.k} calls")
 
 

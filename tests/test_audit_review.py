@@ -14,10 +14,13 @@ each names the limit, and turns into a failure the day the audit catches the bug
 """
 
 import _reference as ref
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
+from flax import nnx
+from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -61,6 +64,78 @@ def make_step(optimizer, accumulate_grads, loss_fn=ref.mlp_loss, **jit_kw):
 
 # ----------------------------------------------------------------------------------------------
 # Exact loops in the forms other libraries teach: no FAIL, and no crash.
+
+
+def test_flax_train_state_step():
+  """`TrainState.apply_gradients` after a `lax.fori_loop` over the micro-batches, passed as the
+  audit's step through the one-line adapter the error message gives."""
+  state = train_state.TrainState.create(apply_fn=ref.mlp_apply, params=PARAMS, tx=ADAM)
+
+  @jax.jit
+  def train_step(state, batch):
+    stacked = jax.tree.map(lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def add(i, acc):
+      mb = jax.tree.map(lambda x: x[i], stacked)
+      return optax.tree.add(acc, jax.grad(ref.mlp_loss)(state.params, mb))
+
+    grads = jax.lax.fori_loop(0, K, add, optax.tree.zeros_like(state.params))
+    return state.apply_gradients(grads=optax.tree.scale(1 / K, grads))
+
+  with pytest.raises(TypeError, match=r"step\(state, batch\); yours takes two arguments"):
+    optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=train_step, optimizer=ADAM)
+  step = lambda p, s, b: (lambda t: (t.params, t.opt_state))(
+    train_step(state.replace(params=p, opt_state=s), b)
+  )
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
+
+
+def test_equinox_filter_jit_step():
+  """`eqx.filter_value_and_grad` per micro-batch in an `eqx.filter_jit` step (whose compiled
+  object is Equinox's, not JAX's), returning the loss beside the model and state."""
+  model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+  optimizer = optax.adamw(1e-3)
+
+  def loss_fn(model, batch):
+    return jnp.mean(jnp.sum((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2, -1))
+
+  @eqx.filter_jit
+  def train_step(model, opt_state, batch):
+    total, grads = 0.0, None
+    for mb in micro_batches(batch):
+      loss, g = eqx.filter_value_and_grad(loss_fn)(model, mb)
+      total, grads = total + loss, g if grads is None else jax.tree.map(jnp.add, grads, g)
+    grads = jax.tree.map(lambda g: g / K, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, total / K
+
+  report = optax_accum.audit(loss_fn, model, BATCH, K, step=train_step, optimizer=optimizer)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
+
+
+def test_donated_step():
+  """``jax.jit(step, donate_argnums=(0, 1))``, as memory-conscious training scripts jit it: the
+  audit's own copies are donated, never the caller's arrays."""
+  step = make_step(ADAM, mean_grads, donate_argnums=(0, 1))
+  params = jax.tree.map(jnp.asarray, PARAMS)
+  report = optax_accum.audit(ref.mlp_loss, params, BATCH, K, step=step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
+def test_step_returning_a_state_pair_and_metrics():
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, _ = jax.value_and_grad(ref.mlp_loss)(params, batch)
+    updates, opt_state = ADAM.update(mean_grads(ref.mlp_loss, params, batch), opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=train_step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
 
 
 def bf16_loss(params, batch):
@@ -144,6 +219,25 @@ def test_division_by_k_twice_is_named():
   assert "a division by k done twice" in report["weighting"].figure
 
 
+def test_step_and_micro_step_swapped():
+  """A whole step passed as `micro_step` updates on every call; a `MultiSteps` micro-step passed
+  as `step` never updates on one call: each FAILs with the argument to use."""
+  whole = make_step(ADAM, mean_grads)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=whole, optimizer=ADAM, opt_state=ADAM.init(PARAMS)
+  )
+  assert report["every micro-batch counted"].verdict == "FAIL", str(report)
+  assert "updated after 1 micro-batch," in report["every micro-batch counted"].figure
+  assert "pass it as step=" in report["every micro-batch counted"].figure
+  tx = optax.MultiSteps(ADAM, K)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, step=micro_step_of(tx), optimizer=ADAM,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  assert report["equivalence: gradient"].verdict == "FAIL", str(report)
+  assert "pass it as micro_step=" in report["equivalence: gradient"].figure
+
+
 # ----------------------------------------------------------------------------------------------
 # The audit called wrongly: the argument and the fix, not a traceback from inside the step.
 
@@ -163,6 +257,49 @@ def _only_params(params, opt_state, batch):
 def _state_first(params, opt_state, batch):
   updates, opt_state = ADAM.update(mean_grads(ref.mlp_loss, params, batch), opt_state, params)
   return opt_state, optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    (dict(step=_keyed_step), r"yours takes a key: pass rng="),
+    (dict(step=make_step(ADAM, mean_grads), rng=jax.random.key(0)), r"yours takes no key"),
+    (dict(step=_only_params), r"step must return \(params, opt_state\)"),
+    (dict(step=_state_first), r"step must return \(params, opt_state\).*got a tuple of \(tuple"),
+    (dict(step=make_step(ADAM, mean_grads), optimizer=SGD),
+     r"is `optimizer` the one your step applies\?"),
+  ],
+  ids=["key-without-rng", "rng-without-key", "only-params", "state-first", "wrong-optimizer"],
+)  # fmt: skip
+def test_step_called_wrongly(kwargs, match):
+  kwargs = {"optimizer": ADAM, **kwargs}
+  loss = ref.mlp_loss if "rng" not in kwargs else (lambda p, b, key: ref.mlp_loss(p, b))
+  with pytest.raises(TypeError, match=match):
+    optax_accum.audit(loss, PARAMS, BATCH, K, **kwargs)
+
+
+def test_nnx_step_says_how_to_audit_it():
+  """An NNX step mutates its model and `nnx.Optimizer` in place: the audit's functional step
+  cannot call it, and the message says how to write one."""
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden, self.out = nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  def loss_fn(model, batch):
+    return jnp.mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1))
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    grads = nnx.grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+
+  model = MLP(nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"nnx\.split\(model, nnx\.Param\)"):
+    optax_accum.audit(loss_fn, model, BATCH, K, step=train_step, optimizer=ADAM)
 
 
 # ----------------------------------------------------------------------------------------------
