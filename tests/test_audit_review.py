@@ -351,3 +351,64 @@ def test_shard_map_step_on_8_devices():
 
 # ----------------------------------------------------------------------------------------------
 # Broken loops the audit still passes.
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the gradient is read back only through an optimizer elementwise affine in it: with "
+  "clip_by_global_norm + adamw (the commonest chain) or adafactor every row is n/a, so a step "
+  "that keeps only the last micro-batch passes",
+)
+@pytest.mark.parametrize(
+  "optimizer",
+  [optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), optax.adafactor(1e-3)],
+  ids=["clip+adamw", "adafactor"],
+)
+def test_only_last_micro_batch_behind_a_nonlinear_optimizer_fails(optimizer):
+  step = make_step(optimizer, only_last)
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=optimizer)
+  assert not report.ok, str(report)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the optimizer's state is located in the step's state by its whole structure: a "
+  "schedule chained outside MultiSteps (counting micro-steps) is not found, and every row is "
+  "n/a",
+)
+def test_schedule_outside_multisteps_fails():
+  schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+  tx = optax.chain(
+    optax.MultiSteps(optax.adam(1.0), K).gradient_transformation(),
+    optax.scale_by_learning_rate(schedule),  # counts every micro-step, not every update
+  )
+  optimizer = optax.chain(optax.adam(1.0), optax.scale_by_learning_rate(schedule))
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=micro_step_of(tx), optimizer=optimizer,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  assert report["schedule: update 3"].verdict == "FAIL", str(report)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="bfloat16 parameters with float32 master weights in the step's state: the optimizer's "
+  "state is float32, the template optimizer.init(params) bfloat16, so it is not located and "
+  "every row is n/a",
+)
+def test_only_last_with_bfloat16_params_and_float32_master_weights_fails():
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    master, inner = opt_state
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), only_last(ref.mlp_loss, params, batch))
+    updates, inner = ADAM.update(grads, inner, master)
+    master = optax.apply_updates(master, updates)
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), (master, inner)
+
+  report = optax_accum.audit(
+    ref.mlp_loss, params16, BATCH, K, step=train_step, optimizer=ADAM,
+    opt_state=(PARAMS, ADAM.init(PARAMS)),
+  )  # fmt: skip
+  assert not report.ok, str(report)
