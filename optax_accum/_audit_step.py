@@ -85,7 +85,8 @@ def read_back(
   """The gradient for which ``opt.update(g, inner_before, params)`` gives `inner_after` and
   `params_after`, from the first leaf (state first, then the update) that is elementwise affine
   in it; None where none is."""
-  update = jax.jit(lambda g: opt.update(g, inner_before, params))
+  jitted = jax.jit(opt.update)  # the state an argument: one program for every window
+  update = lambda g: jitted(g, inner_before, params)
   zeros = jax.tree.map(jnp.zeros_like, params)
   ones = jax.tree.map(jnp.ones_like, params)
   r = jax.tree.map(
@@ -115,9 +116,12 @@ def read_back(
 
 
 def _placed(x: Any, like: Any) -> Any:
-  """`x` placed as `like` (a probe beside parameters on a mesh: one program, one device set)."""
+  """`x` placed as `like` (a probe beside parameters on a mesh: one program, one device set);
+  on one device as it is (committed, it would compile the update once more than the others)."""
   sharding = getattr(like, "sharding", None)
-  return x if sharding is None else jax.device_put(x, sharding)
+  if sharding is None or len(sharding.device_set) == 1:
+    return x
+  return jax.device_put(x, sharding)
 
 
 def _read(got: Any, a: Any, b: Any, c: Any, r: Any) -> tuple[Any, float] | None:
