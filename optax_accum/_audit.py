@@ -354,8 +354,8 @@ def audit(
   from; where they differ, the loop's gradient is fitted as ``Σ cᵢgᵢ`` over the micro-batches'
   own gradients, and its coefficients say which row failed. One row per check, each with its
   verdict ("ok", "FAIL", "info" or "n/a: <reason>"), the measured figure and the threshold
-  (``TOL_UNITS · k · eps`` of the gradients' dtype, at most 1e-2: float64 under
-  ``jax.enable_x64``, then tight):
+  (``TOL_UNITS · k · eps`` of the gradients' dtype, or of the least precise dtype the loss
+  computes in, at most 1e-2: float64 under ``jax.enable_x64``, then tight):
 
   * equivalence: each update's gradient against its own window's large batch, per leaf
     ``max|Δ| / max|large|``, the worst leaf named;
@@ -387,10 +387,12 @@ def audit(
     batch: one logical batch, a pytree whose leaves share the leading batch axis.
     k: the number of micro-batches, an int >= 2 dividing the batch size.
     step: your whole training step, ``step(params, opt_state, batch[, key]) -> (params,
-      opt_state, ...)``, as you jit it: one call takes the whole batch and makes one update (its
-      accumulation inside). Needs `optimizer`, the optimizer it applies, through which the
-      audit reads back the gradient it received (from its first moment, momentum or update);
-      `opt_state` defaults to ``optimizer.init(params)``.
+      opt_state, ...)`` (or ``((params, opt_state), metrics)``), as you jit it (donated
+      arguments included: it is given copies): one call takes the whole batch and makes one
+      update (its accumulation inside). Needs `optimizer`, the optimizer it applies, through
+      which the audit reads back the gradient it received (from its first moment, momentum or
+      update; one not elementwise affine in the gradient, such as clipping that acts, leaves
+      the gradient rows n/a); `opt_state` defaults to ``optimizer.init(params)``.
     micro_step: the same for a step your loop calls once per micro-batch (``optax.MultiSteps``,
       `accumulate`, a `TrainStep`): the audit feeds it micro-batch after micro-batch and an
       update is where the parameters change. Needs `optimizer` (the inner one) and `opt_state`
@@ -423,7 +425,9 @@ def audit(
     `AssertionError` with it when a check failed, ``report[name]`` is one row.
 
   Raises:
-    TypeError, ValueError: for a bad argument (named), before anything runs.
+    TypeError, ValueError: for a bad argument (named), before anything runs; TypeError when
+      your step cannot be called as above or returns something else (with how it was called
+      and the usual fixes: a Flax TrainState step, an NNX step, a key, the optimizer).
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
