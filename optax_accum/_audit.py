@@ -126,8 +126,13 @@ class Reference:
     leaves = jax.tree.leaves(self.large(s.params))
     dtypes = [x.dtype for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     self.dtype = jnp.result_type(*dtypes) if dtypes else jnp.float32
+    computed = compute_dtype(s)
+    self.threshold = ""
+    if computed is not None and jnp.finfo(computed).eps > jnp.finfo(self.dtype).eps:
+      self.dtype, self.threshold = computed, f", the loss computing in {jnp.dtype(computed).name}"
     self.tol = tolerance(self.dtype, s.k)
-    self.threshold = f"<= {fmt(self.tol)} ({TOL_UNITS}·k·eps({jnp.dtype(self.dtype).name}))"
+    name = jnp.dtype(self.dtype).name
+    self.threshold = f"<= {fmt(self.tol)} ({TOL_UNITS}·k·eps({name}){self.threshold})"
     self.same_pieces = self._same_pieces()
     self.moved = 0.0
     self.not_sum = self._decompose()
@@ -226,6 +231,39 @@ class Reference:
     return self.moved > self.tol
 
 
+def compute_dtype(s: run.Setup) -> Any:
+  """The least precise floating dtype the gradient of one micro-batch is computed in (the
+  output of any operation but a cast), or None: a loss that casts float32 parameters to
+  bfloat16 rounds every product to bfloat16, and the large batch and the micro-batches then
+  differ by bfloat16's rounding whatever the gradients' own dtype."""
+  jaxpr = jax.make_jaxpr(jax.grad(s.loss))(s.params, s.micro[0])
+  found: list[Any] = []
+
+  def visit(j: Any) -> None:
+    for eqn in j.eqns:
+      if eqn.primitive.name != "convert_element_type":
+        for v in eqn.outvars:
+          dtype = getattr(getattr(v, "aval", None), "dtype", None)
+          if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+            found.append(dtype)
+      for sub in _sub_jaxprs(eqn.params.values()):
+        visit(sub)
+
+  visit(jaxpr.jaxpr)
+  return max(found, key=lambda d: jnp.finfo(d).eps) if found else None
+
+
+def _sub_jaxprs(values: Any) -> list[Any]:
+  """The jaxprs among an equation's parameters (a scan's body, a cond's branches, a pjit's)."""
+  out = []
+  for v in values:
+    for x in v if isinstance(v, (tuple, list)) else (v,):
+      inner = getattr(x, "jaxpr", x)
+      if hasattr(inner, "eqns"):
+        out.append(inner)
+  return out
+
+
 def _swapped(x: Any, heavy: int, light: int, k: int) -> Any:
   """`x` with micro-batch `heavy`'s rows replaced by micro-batch `light`'s, placed as `x` (on
   the host: a scatter into a sharded array needs an output sharding of its own)."""
@@ -263,6 +301,14 @@ def _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axi
 
 def _none(x: Any) -> bool:
   return x is None
+
+
+def _programs(s: run.Setup, out: run.Run) -> list[tuple[str, str]] | None:
+  """The loop's compiled programs where the collectives row reads them (with a mesh or an
+  axis): compiling a step again costs seconds, for nothing on one device."""
+  if out.programs is None or (s.mesh is None and s.axis_name is None):
+    return None
+  return out.programs()
 
 
 def _run(s: run.Setup, front_end: Any) -> run.Run:
@@ -308,8 +354,8 @@ def audit(
   from; where they differ, the loop's gradient is fitted as ``Σ cᵢgᵢ`` over the micro-batches'
   own gradients, and its coefficients say which row failed. One row per check, each with its
   verdict ("ok", "FAIL", "info" or "n/a: <reason>"), the measured figure and the threshold
-  (``TOL_UNITS · k · eps`` of the gradients' dtype, at most 1e-2: float64 under
-  ``jax.enable_x64``, then tight):
+  (``TOL_UNITS · k · eps`` of the gradients' dtype, or of the least precise dtype the loss
+  computes in, at most 1e-2: float64 under ``jax.enable_x64``, then tight):
 
   * equivalence: each update's gradient against its own window's large batch, per leaf
     ``max|Δ| / max|large|``, the worst leaf named;
@@ -341,10 +387,12 @@ def audit(
     batch: one logical batch, a pytree whose leaves share the leading batch axis.
     k: the number of micro-batches, an int >= 2 dividing the batch size.
     step: your whole training step, ``step(params, opt_state, batch[, key]) -> (params,
-      opt_state, ...)``, as you jit it: one call takes the whole batch and makes one update (its
-      accumulation inside). Needs `optimizer`, the optimizer it applies, through which the
-      audit reads back the gradient it received (from its first moment, momentum or update);
-      `opt_state` defaults to ``optimizer.init(params)``.
+      opt_state, ...)`` (or ``((params, opt_state), metrics)``), as you jit it (donated
+      arguments included: it is given copies): one call takes the whole batch and makes one
+      update (its accumulation inside). Needs `optimizer`, the optimizer it applies, through
+      which the audit reads back the gradient it received (from its first moment, momentum or
+      update; one not elementwise affine in the gradient, such as clipping that acts, leaves
+      the gradient rows n/a); `opt_state` defaults to ``optimizer.init(params)``.
     micro_step: the same for a step your loop calls once per micro-batch (``optax.MultiSteps``,
       `accumulate`, a `TrainStep`): the audit feeds it micro-batch after micro-batch and an
       update is where the parameters change. Needs `optimizer` (the inner one) and `opt_state`
@@ -377,7 +425,9 @@ def audit(
     `AssertionError` with it when a check failed, ``report[name]`` is one row.
 
   Raises:
-    TypeError, ValueError: for a bad argument (named), before anything runs.
+    TypeError, ValueError: for a bad argument (named), before anything runs; TypeError when
+      your step cannot be called as above or returns something else (with how it was called
+      and the usual fixes: a Flax TrainState step, an NNX step, a key, the optimizer).
 
   >>> import jax, jax.numpy as jnp, optax, optax_accum
   >>> loss = lambda w, b: jnp.mean((b["x"] @ w - b["y"]) ** 2)
@@ -394,6 +444,9 @@ def audit(
   _check_args(loss_fn, k, front_end, optimizer, weight_fn, num_updates, wrap, reduction)
   _check_step(step, micro_step, front_end, optimizer, opt_state)
   _check_rng(rng)
+  if step is not None or micro_step is not None:
+    what = "step" if step is not None else "micro_step"
+    _audit_step.check_signature(step or micro_step, what, rng is not None)
   _batch_size(batch, k)
   s = _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name,
              accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip
@@ -414,7 +467,7 @@ def audit(
     checks.randomness(s, ref, draws, out),
     last,
     checks.decomposable(ref),
-    collectives.check(s, None if out.programs is None else out.programs(), _IN_STEP_NOTE),
+    collectives.check(s, _programs(s, out), _IN_STEP_NOTE),
     accumulator,
     checks.memory(s, in_step, acc_bytes),
   )

@@ -18,6 +18,7 @@ import numpy as np
 
 from optax_accum import _audit_keys as keys
 from optax_accum import _audit_run as run
+from optax_accum._audit_collectives import data_axis
 from optax_accum._audit_report import (
   Check,
   coefficients,
@@ -94,6 +95,8 @@ def equivalence(ref: Any, out: run.Run) -> Check:
   name = "equivalence: gradient"
   if ref.not_sum:
     return na(name, "see 'decomposable'")
+  if not out.windows:
+    return Check(name, "FAIL", out.note or "the loop made no update in 2k micro-steps", "")
   if out.note and all(w.grads is None for w in out.windows):
     return na(name, out.note)
   rows = _window_diffs(ref, out)
@@ -113,9 +116,15 @@ def _window_length(s: run.Setup, out: run.Run) -> Check | None:
     return None
   calls = out.windows[0].calls
   figure = (
-    f"your loop updated after {calls} micro-batches, not k={s.k}: its window is {calls} "
-    f"micro-batches long (every_k={calls} where the audit was told k={s.k}?)"
+    f"your loop updated after {calls} micro-batch{'es' if calls > 1 else ''}, not k={s.k}: its "
+    f"window is {calls} micro-batch{'es' if calls > 1 else ''} long (every_k={calls} where the "
+    f"audit was told k={s.k}?)"
   )
+  if calls == 1 and s.step is not None:
+    figure += (
+      "; an update on every call: if that is a whole step (it accumulates inside), pass it as "
+      "step=, not micro_step="
+    )
   return Check("every micro-batch counted", "FAIL", figure, f"an update every k={s.k} calls")
 
 
@@ -153,13 +162,15 @@ def counted(s: run.Setup, ref: Any, out: run.Run) -> Check:
   if len(kept) == 1:
     seen += f": only {unit} {kept[0]} counted"
   else:
-    seen += f": {unit}s {', '.join(map(str, miss))} not counted"
+    units = unit if len(miss) == 1 else ("micro-batches" if unit == "micro-batch" else "shares")
+    seen += f": {units} {', '.join(map(str, miss))} not counted"
   return Check(name, "FAIL", seen, threshold)
 
 
 def _carried_over(s: run.Setup, ref: Any, out: run.Run) -> Check | None:
   """A later update whose gradient also holds the window before's micro-batches (an
-  accumulator not zeroed after an update), else None."""
+  accumulator not zeroed after an update) or leaves out some of its own (one zeroed a
+  micro-step late), else None."""
   for j in range(1, len(out.windows)):
     w, prev = out.windows[j], out.windows[j - 1]
     if w.grads is None or prev.grads is None:
@@ -176,6 +187,16 @@ def _carried_over(s: run.Setup, ref: Any, out: run.Run) -> Check | None:
         f"c = {coefficients(c[: s.k])} + {coefficients(old)} (residual {fmt(residual)}): "
         "micro-batches of an earlier window counted again (an accumulator not zeroed after "
         "its update?)"
+      )
+      return Check("every micro-batch counted", "FAIL", figure, "each micro-batch in one update")
+    own, residual = fit(ref.pieces(w.params), got)
+    miss = _missing(own, ref.implied)
+    if residual <= ref.tol + w.grad_slack and miss:
+      figure = (
+        f"update {j + 1}'s gradient fits Σ cᵢgᵢ over its own micro-batches, c = "
+        f"{coefficients(own)} (residual {fmt(residual)}): micro-batch"
+        f"{'es' if len(miss) > 1 else ''} {', '.join(map(str, miss))} not counted (the first "
+        "window counts them all: an accumulator zeroed a micro-step late?)"
       )
       return Check("every micro-batch counted", "FAIL", figure, "each micro-batch in one update")
   return None
@@ -208,10 +229,23 @@ def _weights_figure(s: run.Setup, fitted: Fitted, ref: Any) -> str:
   scale = float(c.sum() / want.sum())
   if rel(c / c.sum(), want / want.sum()) <= SAME_PROPORTIONS:
     figure = f"the proportions are the large batch's, the scale {scale:.4g}× its gradient"
+    devices = _data_devices(s)
     if abs(scale * s.k - 1) < 0.01:
-      figure += ": the mean of a sum over examples (average micro-batch sums: use reduction='sum')"
+      figure += (
+        ": the mean of a sum over examples, or a division by k done twice (average micro-batch "
+        "sums: use reduction='sum')"
+      )
     elif abs(scale - s.k) < 0.01 * s.k:
-      figure += ": the sum of micro-batch means (use reduction='mean', or a loss that sums)"
+      figure += (
+        ": the sum of micro-batch means, a division by k forgotten (use reduction='mean', or a "
+        "loss that sums)"
+      )
+    elif devices > 1 and abs(scale - devices) < 0.01 * devices:
+      figure += (
+        f": the {devices} devices of the data axis summed where a mean was meant (a psum for a "
+        "pmean; inside shard_map, jax.grad of parameters not pcast to varying has summed "
+        "over the axis already)"
+      )
     return figure
   figure = f"your loop weighs the {fitted.units} {coefficients(c)}, the large batch "
   figure += coefficients(want)
@@ -223,6 +257,15 @@ def _weights_figure(s: run.Setup, fitted: Fitted, ref: Any) -> str:
     if rel(declared, c) <= SAME_PROPORTIONS:
       figure += " (the loop's: they are not the large batch's)"
   return figure
+
+
+def _data_devices(s: run.Setup) -> int:
+  """The devices along the data axis of `s.mesh` (1 without a mesh)."""
+  axis = data_axis(s)
+  if s.mesh is None or axis is None:
+    return 1
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  return int(np.prod([s.mesh.shape[a] for a in axes if a in s.mesh.axis_names]))
 
 
 def decomposable(ref: Any) -> Check:

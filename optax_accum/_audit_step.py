@@ -18,6 +18,7 @@ state is found inside the step's state by its structure.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, NamedTuple
 
 import jax
@@ -84,11 +85,12 @@ def read_back(
   """The gradient for which ``opt.update(g, inner_before, params)`` gives `inner_after` and
   `params_after`, from the first leaf (state first, then the update) that is elementwise affine
   in it; None where none is."""
-  update = jax.jit(lambda g: opt.update(g, inner_before, params))
+  jitted = jax.jit(opt.update)  # the state an argument: one program for every window
+  update = lambda g: jitted(g, inner_before, params)
   zeros = jax.tree.map(jnp.zeros_like, params)
   ones = jax.tree.map(jnp.ones_like, params)
   r = jax.tree.map(
-    lambda x, i: jax.random.normal(jax.random.key(i), x.shape, x.dtype),
+    lambda x, i: _placed(jax.random.normal(jax.random.key(i), x.shape, x.dtype), x),
     params, jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))),
   )  # fmt: skip
   f0, f1, fr = update(zeros), update(ones), update(r)
@@ -111,6 +113,15 @@ def read_back(
         slack = _update_slack(params_after, b, grads)
       return ReadBack(grads, slack, source)
   return None
+
+
+def _placed(x: Any, like: Any) -> Any:
+  """`x` placed as `like` (a probe beside parameters on a mesh: one program, one device set);
+  on one device as it is (committed, it would compile the update once more than the others)."""
+  sharding = getattr(like, "sharding", None)
+  if sharding is None or len(sharding.device_set) == 1:
+    return x
+  return jax.device_put(x, sharding)
 
 
 def _read(got: Any, a: Any, b: Any, c: Any, r: Any) -> tuple[Any, float] | None:
@@ -160,18 +171,101 @@ def step_args(s: run.Setup, params: Any, state: Any, batch: Any, i: int) -> tupl
   return (s.full(params), state, batch, *key)
 
 
+def _copied(tree: Any) -> Any:
+  """A copy of the device arrays of `tree`: a step jitted with ``donate_argnums`` consumes its
+  inputs, and the audit keeps each window's parameters and state to compare with."""
+  return jax.tree.map(lambda x: jnp.copy(x) if isinstance(x, jax.Array) else x, tree)
+
+
+def _what(s: run.Setup) -> str:
+  return "micro_step" if s.per_micro_batch else "step"
+
+
 def _call(s: run.Setup) -> Any:
   def call(params, state, i):
     batch = s.micro[i % s.k] if s.per_micro_batch else s.batch
-    out = s.step(*step_args(s, params, state, batch, i))
-    if not isinstance(out, (tuple, list)) or len(out) < 2:
-      raise TypeError(
-        "audit: step must return (params, opt_state) or (params, opt_state, ...), got "
-        f"{type(out).__name__}."
-      )
-    return run.arrays_of(out[0]), out[1]
+    args = _copied(step_args(s, params, state, batch, i))
+    try:
+      out = s.step(*args)
+    except Exception as e:  # the user's code: say how the audit called it, and the usual fixes
+      raise TypeError(_call_failed(s, e)) from e
+    return _outputs(s, out, params, state)
 
   return call
+
+
+def _call_failed(s: run.Setup, e: Exception) -> str:
+  what = _what(s)
+  data = "one micro-batch" if s.per_micro_batch else "the whole batch"
+  key = ", key" if s.keyed is not None else ""
+  return (
+    f"audit: your {what} raised {type(e).__name__} when the audit called it as "
+    f"{what}(params, opt_state, batch{key}): {e}\nThe audit passes your parameters, your "
+    f"optimizer state (opt_state=, else optimizer.init(params): is `optimizer` the one your "
+    f"step applies?), {data}{' and a key (rng=)' if key else ''}. A Flax TrainState step "
+    "train_step(state, batch): pass step=lambda p, s, b: (lambda t: (t.params, t.opt_state))"
+    "(train_step(state.replace(params=p, opt_state=s), b)). A Flax NNX step: split the model "
+    "(graphdef, params = nnx.split(model, nnx.Param)) and write the step on (params, "
+    "opt_state, batch) with nnx.merge. A step called once per micro-batch (optax.MultiSteps): "
+    "micro_step= with opt_state=."
+  )
+
+
+def _outputs(s: run.Setup, out: Any, params: Any, state: Any) -> tuple[Any, Any]:
+  """The new parameters (array leaves) and state from what the step returned: ``(params,
+  opt_state, ...)`` or ``((params, opt_state), aux)``, each shaped as what went in."""
+  fits = lambda p, st: (
+    jax.tree.structure(run.arrays_of(p)) == jax.tree.structure(params)
+    and jax.tree.structure(st) == jax.tree.structure(state)
+  )
+  pair = lambda x: isinstance(x, (tuple, list)) and len(x) >= 2
+  if pair(out) and fits(out[0], out[1]):
+    return run.arrays_of(out[0]), out[1]
+  if pair(out) and pair(out[0]) and len(out[0]) == 2 and fits(*out[0]):
+    return run.arrays_of(out[0][0]), out[0][1]  # ((params, opt_state), metrics)
+  got = type(out).__name__
+  if pair(out):
+    got += " of (" + ", ".join(type(x).__name__ for x in out) + ")"
+  raise TypeError(
+    f"audit: {_what(s)} must return (params, opt_state) or (params, opt_state, ...), the new "
+    "parameters shaped as the ones passed in, then the new optimizer state shaped as "
+    f"opt_state (((params, opt_state), metrics) works too); got a {got} that is not."
+  )
+
+
+def check_signature(step: Any, what: str, keyed: bool) -> None:
+  """Refuses, before anything runs, a step whose signature cannot take what the audit passes:
+  ``(params, opt_state, batch)``, and a key with `rng`."""
+  try:
+    sig = inspect.signature(step)
+  except (TypeError, ValueError):
+    return
+  kinds = [p.kind for p in sig.parameters.values()]
+  if inspect.Parameter.VAR_POSITIONAL in kinds:
+    return
+  positional = [
+    p for p in sig.parameters.values()
+    if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+  ]  # fmt: skip
+  required = sum(p.default is inspect.Parameter.empty for p in positional)
+  want = 4 if keyed else 3
+  if len(positional) >= want and required <= want:
+    return
+  names = ", ".join(p.name for p in positional)
+  head = f"audit: {what}= is called as {what}(params, opt_state, batch{', key' if keyed else ''})"
+  if len(positional) == 2:
+    fix = (
+      "; yours takes two arguments. A Flax TrainState step train_step(state, batch) is passed "
+      "as step=lambda p, s, b: (lambda t: (t.params, t.opt_state))(train_step("
+      "state.replace(params=p, opt_state=s), b))"
+    )
+  elif not keyed and required == 4:
+    fix = "; yours takes a key: pass rng= (a PRNG key; the audit passes one per call)"
+  elif keyed and len(positional) == 3:
+    fix = "; yours takes no key: leave rng= unset, or add the key argument your loss draws with"
+  else:
+    fix = ""
+  raise TypeError(f"{head}, got {what}({names}){fix}.")
 
 
 def run_step(s: run.Setup) -> run.Run:
@@ -191,8 +285,10 @@ def run_step(s: run.Setup) -> run.Run:
       new, after = call(params, state, j)
       emissions.append(run.Emission(params, state, after, new, s.k))
       params, state = new, after
-  windows, note = [], ""
   template = s.optimizer.init(s.params)
+  idle = not s.per_micro_batch and not any(_updated(e, template) for e in emissions)
+  emissions = [] if idle else emissions
+  windows, note = [], NO_UPDATE if idle else ""
   for e in emissions:
     before, after = locate(e.before, template), locate(e.after, template)
     read = None
@@ -214,8 +310,26 @@ def run_step(s: run.Setup) -> run.Run:
     programs = lambda: [("micro", lower(False)), ("closing", lower(True))]
   else:
     jitted = s.step if hasattr(s.step, "lower") else jax.jit(s.step)
-    programs = lambda: [(kind, jitted.lower(*args).compile().as_text())]
+    programs = lambda: [(kind, _hlo_text(jitted.lower(*args).compile()))]
   return run.Run(windows, accumulator, s.per_micro_batch, note=note, programs=programs)
+
+
+NO_UPDATE = (
+  "your step changed neither the parameters nor the state of `optimizer` in any call: it made "
+  "no update (a step your loop calls once per micro-batch, e.g. with optax.MultiSteps? pass "
+  "it as micro_step=, with opt_state=)"
+)
+
+
+def _updated(e: run.Emission, template: Any) -> bool:
+  """Whether a call of a whole step updated: its parameters or its optimizer's state moved."""
+  inner = (locate(e.before, template), locate(e.after, template))
+  return run.moved(e.params, e.start) or (None not in inner and run.moved(*inner))
+
+
+def _hlo_text(compiled: Any) -> str:
+  """The compiled program's text (`eqx.filter_jit`'s ``Compiled`` wraps JAX's as ``.compiled``)."""
+  return getattr(compiled, "compiled", compiled).as_text()
 
 
 def _unread(before: Any, after: Any) -> str:

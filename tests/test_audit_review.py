@@ -1,0 +1,414 @@
+"""`optax_accum.audit` on training loops written as JAX users write them, exact and broken.
+
+Each loop is the form found in real programs — a Flax `TrainState.apply_gradients` step, an
+Equinox `eqx.filter_jit` step, a step jitted with ``donate_argnums``, a step returning
+``((params, opt_state), metrics)``, a `shard_map` step on 8 devices, a loss computing in
+bfloat16 over float32 master weights — and its correctness is known by construction (the exact
+ones take the mean of the micro-batches' gradients, or weigh them by their tokens; each broken
+one carries one named bug). An exact loop must get no FAIL, a broken one a FAIL in its row; an
+audit called wrongly must say which argument is wrong and how to fix it, before any traceback
+from deep inside the user's step.
+
+The `xfail(strict=True)` tests are broken loops the audit still passes (every row ok or n/a):
+each names the limit, and turns into a failure the day the audit catches the bug.
+"""
+
+import _reference as ref
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optax_accum
+
+K = 4
+PARAMS = ref.mlp_params(0, (3, 16, 2))
+BATCH = ref.regression_data(1, 32)
+TOKENS = ref.token_data(3, lengths=[1, 8, 2, 7, 3, 6, 8, 1, 2, 8, 5, 4, 1, 1, 8, 8], tokens=8)
+ADAM = optax.adam(1e-3)
+SGD = optax.sgd(0.1)
+
+
+def micro_batches(batch, k=K):
+  return [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+
+
+def verdicts(report):
+  return {c.name: c.verdict.split(":")[0] for c in report.checks}
+
+
+def mean_grads(loss_fn, params, batch):
+  grads = [jax.grad(loss_fn)(params, mb) for mb in micro_batches(batch)]
+  return jax.tree.map(lambda *g: sum(g) / K, *grads)
+
+
+def only_last(loss_fn, params, batch):
+  for mb in micro_batches(batch):
+    grads = jax.grad(loss_fn)(params, mb)  # `=` where `+=` was meant
+  return grads
+
+
+def make_step(optimizer, accumulate_grads, loss_fn=ref.mlp_loss, **jit_kw):
+  def train_step(params, opt_state, batch):
+    grads = accumulate_grads(loss_fn, params, batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return jax.jit(train_step, **jit_kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact loops in the forms other libraries teach: no FAIL, and no crash.
+
+
+def test_flax_train_state_step():
+  """`TrainState.apply_gradients` after a `lax.fori_loop` over the micro-batches, passed as the
+  audit's step through the one-line adapter the error message gives."""
+  state = train_state.TrainState.create(apply_fn=ref.mlp_apply, params=PARAMS, tx=ADAM)
+
+  @jax.jit
+  def train_step(state, batch):
+    stacked = jax.tree.map(lambda x: x.reshape(-1, K, *x.shape[1:]).swapaxes(0, 1), batch)
+
+    def add(i, acc):
+      mb = jax.tree.map(lambda x: x[i], stacked)
+      return optax.tree.add(acc, jax.grad(ref.mlp_loss)(state.params, mb))
+
+    grads = jax.lax.fori_loop(0, K, add, optax.tree.zeros_like(state.params))
+    return state.apply_gradients(grads=optax.tree.scale(1 / K, grads))
+
+  with pytest.raises(TypeError, match=r"step\(state, batch\); yours takes two arguments"):
+    optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=train_step, optimizer=ADAM)
+  step = lambda p, s, b: (lambda t: (t.params, t.opt_state))(
+    train_step(state.replace(params=p, opt_state=s), b)
+  )
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
+
+
+def test_equinox_filter_jit_step():
+  """`eqx.filter_value_and_grad` per micro-batch in an `eqx.filter_jit` step (whose compiled
+  object is Equinox's, not JAX's), returning the loss beside the model and state."""
+  model = eqx.nn.MLP(3, 2, 8, 1, key=jax.random.key(0))
+  optimizer = optax.adamw(1e-3)
+
+  def loss_fn(model, batch):
+    return jnp.mean(jnp.sum((jax.vmap(model)(batch["x"]) - batch["y"]) ** 2, -1))
+
+  @eqx.filter_jit
+  def train_step(model, opt_state, batch):
+    total, grads = 0.0, None
+    for mb in micro_batches(batch):
+      loss, g = eqx.filter_value_and_grad(loss_fn)(model, mb)
+      total, grads = total + loss, g if grads is None else jax.tree.map(jnp.add, grads, g)
+    grads = jax.tree.map(lambda g: g / K, grads)
+    updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state, total / K
+
+  report = optax_accum.audit(loss_fn, model, BATCH, K, step=train_step, optimizer=optimizer)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
+
+
+def test_donated_step():
+  """``jax.jit(step, donate_argnums=(0, 1))``, as memory-conscious training scripts jit it: the
+  audit's own copies are donated, never the caller's arrays."""
+  step = make_step(ADAM, mean_grads, donate_argnums=(0, 1))
+  params = jax.tree.map(jnp.asarray, PARAMS)
+  report = optax_accum.audit(ref.mlp_loss, params, BATCH, K, step=step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(params))
+
+
+def test_step_returning_a_state_pair_and_metrics():
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    loss, _ = jax.value_and_grad(ref.mlp_loss)(params, batch)
+    updates, opt_state = ADAM.update(mean_grads(ref.mlp_loss, params, batch), opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), {"loss": loss}
+
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=train_step, optimizer=ADAM)
+  assert report.ok, str(report)
+  assert verdicts(report)["equivalence: gradient"] == "ok"
+
+
+def bf16_loss(params, batch):
+  """The mixed-precision habit: float32 master weights, the forward pass in bfloat16."""
+  cast = lambda t: jax.tree.map(lambda x: x.astype(jnp.bfloat16), t)
+  return ref.mlp_loss(cast(params), cast(batch)).astype(jnp.float32)
+
+
+def test_bfloat16_compute_over_float32_master_weights():
+  """The gradients are float32, but every product was rounded to bfloat16: the large batch and
+  the micro-batches differ by bfloat16's rounding. The exact loop passes with the loss called a
+  sum over examples (it was called "not a sum over examples", and every row said n/a), and a
+  mean of means over unequal token counts fails (it passed)."""
+  exact = optax_accum.audit(
+    bf16_loss, PARAMS, BATCH, K, step=make_step(ADAM, mean_grads, bf16_loss), optimizer=ADAM
+  )
+  assert exact.ok, str(exact)
+  assert verdicts(exact)["decomposable"] == "ok", str(exact)
+  assert "the loss computing in bfloat16" in exact["equivalence: gradient"].threshold
+  mean_of_means = optax_accum.audit(
+    bf16_loss, PARAMS, TOKENS, K, step=make_step(ADAM, mean_grads, bf16_loss), optimizer=ADAM
+  )
+  assert mean_of_means["weighting"].verdict == "FAIL", str(mean_of_means)
+
+
+# ----------------------------------------------------------------------------------------------
+# Broken loops: FAIL in the row that names the bug.
+
+
+def zeroed_late(inner):
+  """An across-steps accumulator that zeroes itself after adding the first micro-batch of the
+  next window instead of before it (`if emitted_last_step: acc = 0` placed after `acc += g`)."""
+
+  def init(params):
+    return inner.init(params), optax.tree.zeros_like(params), jnp.zeros((), jnp.int32)
+
+  def update(grads, state, params=None):
+    inner_state, acc, n = state
+    acc = optax.tree.add(acc, grads)
+    late = (n % K == 0) & (n > 0)
+    acc = jax.tree.map(lambda a: jnp.where(late, jnp.zeros_like(a), a), acc)
+    n = n + 1
+    emit = lambda s: inner.update(optax.tree.scale(1 / K, acc), s, params)
+    wait = lambda s: (optax.tree.zeros_like(grads), s)
+    updates, inner_state = jax.lax.cond(n % K == 0, emit, wait, inner_state)
+    return updates, (inner_state, acc, n)
+
+  return optax.GradientTransformation(init, update)
+
+
+def micro_step_of(tx, loss_fn=ref.mlp_loss):
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    updates, opt_state = tx.update(jax.grad(loss_fn)(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return train_step
+
+
+def test_accumulator_zeroed_a_micro_step_late():
+  """The first window is exact, the second leaves out its micro-batch 0: the row names it (it
+  said ok while equivalence failed)."""
+  tx = zeroed_late(SGD)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=micro_step_of(tx), optimizer=SGD,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  counted = report["every micro-batch counted"]
+  assert counted.verdict == "FAIL", str(report)
+  assert "update 2's gradient" in counted.figure and "micro-batch 0 not counted" in counted.figure
+
+
+def test_division_by_k_twice_is_named():
+  def twice(loss_fn, params, batch):
+    return jax.tree.map(lambda g: g / K, mean_grads(loss_fn, params, batch))
+
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, step=make_step(ADAM, twice), optimizer=ADAM
+  )
+  assert report["weighting"].verdict == "FAIL", str(report)
+  assert "a division by k done twice" in report["weighting"].figure
+
+
+def test_step_and_micro_step_swapped():
+  """A whole step passed as `micro_step` updates on every call; a `MultiSteps` micro-step passed
+  as `step` never updates on one call: each FAILs with the argument to use."""
+  whole = make_step(ADAM, mean_grads)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=whole, optimizer=ADAM, opt_state=ADAM.init(PARAMS)
+  )
+  assert report["every micro-batch counted"].verdict == "FAIL", str(report)
+  assert "updated after 1 micro-batch," in report["every micro-batch counted"].figure
+  assert "pass it as step=" in report["every micro-batch counted"].figure
+  tx = optax.MultiSteps(ADAM, K)
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, step=micro_step_of(tx), optimizer=ADAM,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  assert report["equivalence: gradient"].verdict == "FAIL", str(report)
+  assert "pass it as micro_step=" in report["equivalence: gradient"].figure
+
+
+# ----------------------------------------------------------------------------------------------
+# The audit called wrongly: the argument and the fix, not a traceback from inside the step.
+
+
+def _keyed_step(params, opt_state, batch, key):
+  del key
+  return make_step(ADAM, mean_grads)(params, opt_state, batch)
+
+
+@jax.jit
+def _only_params(params, opt_state, batch):
+  updates, _ = ADAM.update(mean_grads(ref.mlp_loss, params, batch), opt_state, params)
+  return optax.apply_updates(params, updates)
+
+
+@jax.jit
+def _state_first(params, opt_state, batch):
+  updates, opt_state = ADAM.update(mean_grads(ref.mlp_loss, params, batch), opt_state, params)
+  return opt_state, optax.apply_updates(params, updates)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "match"),
+  [
+    (dict(step=_keyed_step), r"yours takes a key: pass rng="),
+    (dict(step=make_step(ADAM, mean_grads), rng=jax.random.key(0)), r"yours takes no key"),
+    (dict(step=_only_params), r"step must return \(params, opt_state\)"),
+    (dict(step=_state_first), r"step must return \(params, opt_state\).*got a tuple of \(tuple"),
+    (dict(step=make_step(ADAM, mean_grads), optimizer=SGD),
+     r"is `optimizer` the one your step applies\?"),
+  ],
+  ids=["key-without-rng", "rng-without-key", "only-params", "state-first", "wrong-optimizer"],
+)  # fmt: skip
+def test_step_called_wrongly(kwargs, match):
+  kwargs = {"optimizer": ADAM, **kwargs}
+  loss = ref.mlp_loss if "rng" not in kwargs else (lambda p, b, key: ref.mlp_loss(p, b))
+  with pytest.raises(TypeError, match=match):
+    optax_accum.audit(loss, PARAMS, BATCH, K, **kwargs)
+
+
+def test_nnx_step_says_how_to_audit_it():
+  """An NNX step mutates its model and `nnx.Optimizer` in place: the audit's functional step
+  cannot call it, and the message says how to write one."""
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.hidden, self.out = nnx.Linear(3, 8, rngs=rngs), nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+      return self.out(jnp.tanh(self.hidden(x)))
+
+  def loss_fn(model, batch):
+    return jnp.mean(jnp.sum((model(batch["x"]) - batch["y"]) ** 2, -1))
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    grads = nnx.grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+
+  model = MLP(nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"nnx\.split\(model, nnx\.Param\)"):
+    optax_accum.audit(loss_fn, model, BATCH, K, step=train_step, optimizer=ADAM)
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole step on 8 devices: `shard_map`, with `jax.make_mesh`'s default (Explicit) axes.
+
+
+def shard_map_step(mesh, *, per_micro_batch=False, pcast=True):
+  """The data-parallel step as written with `shard_map`: each device's micro-batches of its
+  rows, reduced over "data" once per update (or per micro-batch: the bug)."""
+
+  def grads_of(params, batch):
+    local = jax.lax.pcast(params, "data", to="varying") if pcast else params
+    acc = optax.tree.zeros_like(params)
+    for mb in micro_batches(batch):
+      g = jax.grad(ref.mlp_loss)(local, mb)
+      acc = optax.tree.add(acc, jax.lax.pmean(g, "data") if per_micro_batch else g)
+    return optax.tree.scale(1 / K, acc if per_micro_batch else jax.lax.pmean(acc, "data"))
+
+  grads_of = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    updates, opt_state = ADAM.update(grads_of(params, batch), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return train_step
+
+
+@pytest.mark.slow
+def test_shard_map_step_on_8_devices():
+  mesh = jax.make_mesh((8,), ("data",))
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  batch = jax.device_put(ref.regression_data(1, 64), NamedSharding(mesh, P("data")))
+  kw = dict(optimizer=ADAM, mesh=mesh, axis_name="data", num_updates=2)
+  good = optax_accum.audit(ref.mlp_loss, params, batch, K, step=shard_map_step(mesh), **kw)
+  assert good.ok, str(good)
+  assert verdicts(good)["collectives"] == "ok"
+  per_micro = shard_map_step(mesh, per_micro_batch=True)
+  bad = optax_accum.audit(ref.mlp_loss, params, batch, K, step=per_micro, **kw)
+  assert bad["collectives"].verdict == "FAIL", str(bad)
+  assert bad["equivalence: gradient"].verdict == "ok"
+  # without pcast, jax.grad of the replicated parameters sums over "data" already; pmean then
+  # gives 8 times the mean
+  summed = shard_map_step(mesh, pcast=False)
+  bad = optax_accum.audit(ref.mlp_loss, params, batch, K, step=summed, **kw)
+  assert bad["weighting"].verdict == "FAIL", str(bad)
+  assert "the 8 devices of the data axis summed" in bad["weighting"].figure
+
+
+# ----------------------------------------------------------------------------------------------
+# Broken loops the audit still passes.
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the gradient is read back only through an optimizer elementwise affine in it: with "
+  "clip_by_global_norm + adamw (the commonest chain) or adafactor every row is n/a, so a step "
+  "that keeps only the last micro-batch passes",
+)
+@pytest.mark.parametrize(
+  "optimizer",
+  [optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)), optax.adafactor(1e-3)],
+  ids=["clip+adamw", "adafactor"],
+)
+def test_only_last_micro_batch_behind_a_nonlinear_optimizer_fails(optimizer):
+  step = make_step(optimizer, only_last)
+  report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=optimizer)
+  assert not report.ok, str(report)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="the optimizer's state is located in the step's state by its whole structure: a "
+  "schedule chained outside MultiSteps (counting micro-steps) is not found, and every row is "
+  "n/a",
+)
+def test_schedule_outside_multisteps_fails():
+  schedule = optax.linear_schedule(1e-2, 1e-3, 10)
+  tx = optax.chain(
+    optax.MultiSteps(optax.adam(1.0), K).gradient_transformation(),
+    optax.scale_by_learning_rate(schedule),  # counts every micro-step, not every update
+  )
+  optimizer = optax.chain(optax.adam(1.0), optax.scale_by_learning_rate(schedule))
+  report = optax_accum.audit(
+    ref.mlp_loss, PARAMS, BATCH, K, micro_step=micro_step_of(tx), optimizer=optimizer,
+    opt_state=tx.init(PARAMS),
+  )  # fmt: skip
+  assert report["schedule: update 3"].verdict == "FAIL", str(report)
+
+
+@pytest.mark.xfail(
+  strict=True,
+  reason="bfloat16 parameters with float32 master weights in the step's state: the optimizer's "
+  "state is float32, the template optimizer.init(params) bfloat16, so it is not located and "
+  "every row is n/a",
+)
+def test_only_last_with_bfloat16_params_and_float32_master_weights_fails():
+  params16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), PARAMS)
+
+  @jax.jit
+  def train_step(params, opt_state, batch):
+    master, inner = opt_state
+    grads = jax.tree.map(lambda g: g.astype(jnp.float32), only_last(ref.mlp_loss, params, batch))
+    updates, inner = ADAM.update(grads, inner, master)
+    master = optax.apply_updates(master, updates)
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16), master), (master, inner)
+
+  report = optax_accum.audit(
+    ref.mlp_loss, params16, BATCH, K, step=train_step, optimizer=ADAM,
+    opt_state=(PARAMS, ADAM.init(PARAMS)),
+  )  # fmt: skip
+  assert not report.ok, str(report)
