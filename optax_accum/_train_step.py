@@ -179,6 +179,28 @@ def _check_live(params: Any, state: Any) -> None:
         )
 
 
+def _distinct(params: Any, state: Any) -> tuple[Any, Any]:
+  """`params` and `state` with no two arrays sharing a buffer: a leaf whose buffer an earlier
+  leaf already holds is replaced by a copy. Aliases are common in what users pass
+  (``optax.LookaheadParams.init_synced(params)``, whose slow weights *are* its fast weights;
+  one ``jnp.zeros`` reused for two biases; an optimizer state holding the parameters), and
+  XLA refuses to donate one buffer twice, or to read a buffer it was donated, only once the
+  call has started, after it has deleted some of the other donated arrays. Run for trees
+  this object did not make (the programs' outputs never alias), so a call costs nothing."""
+  leaves, tree = jax.tree.flatten((params, state))
+  seen: set[tuple] = set()
+  out, copied = [], False
+  for x in leaves:
+    if _kind(type(x)) == 2 and not x.is_deleted():  # a deleted one: `_check_live` names it
+      buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+      if buffers & seen:
+        x, copied = jax.device_put(x, x.sharding, may_alias=False), True
+        buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+      seen |= buffers
+    out.append(x)
+  return jax.tree.unflatten(tree, out) if copied else (params, state)
+
+
 def _hollow(inner_state: Any) -> Any:
   """The inner state's tree with no arrays (every leaf None): what the accumulating program
   takes of it. It never reads the inner state, and every array passed in and handed back
@@ -386,6 +408,8 @@ class TrainStep:
     # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
+    self._last_params: Any = None  # the parameters the last call returned
+    self._donates = donate
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
     """The two programs, by `emit`: the accumulating one (False) and the emitting one (True):
@@ -597,7 +621,7 @@ class TrainStep:
     axis = cfg.axis
     # acc + w·g: without the finite check (the weight's own check is a scalar)
     optimistic = _accumulate.add(cfg._replace(skip_nonfinite=False), grads, state, weight)[0]
-    sums = axis.reduce_leaves(optimistic)
+    sums = axis.reduce_leaves(_accumulate.reduced_sums(cfg, optimistic))
     local = window.noise
     partials = () if local is None else _noise.partials(local)
     # (one all-reduce: the drop count as float32, like the total)
@@ -607,7 +631,7 @@ class TrainStep:
 
       def checked(operands):
         g, s, w, _ = operands
-        return axis.reduce_leaves(_accumulate.add(cfg, g, s, w)[0])
+        return axis.reduce_leaves(_accumulate.reduced_sums(cfg, _accumulate.add(cfg, g, s, w)[0]))
 
       operands = (grads, added, weight, sums)
       sums = _collectives.cond(drops > 0, checked, lambda ops: ops[-1], operands)
@@ -691,8 +715,11 @@ class TrainStep:
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
     arrays = _all_arrays(params, state)
-    if self._position is None or state is not self._last_state:
+    fresh = state is not self._last_state  # a state this object did not make
+    if self._position is None or fresh:
       self._read_position(params, state, args)
+    if self._donates and (fresh or params is not self._last_params):
+      params, state = _distinct(params, state)  # never one buffer donated twice
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
@@ -705,7 +732,7 @@ class TrainStep:
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
-    self._last_state = state
+    self._last_state, self._last_params = state, params
     return params, state, value
 
   def _read_position(self, params: Any, state: Any, args: tuple) -> None:
@@ -714,6 +741,7 @@ class TrainStep:
     call is dispatched without waiting for the device."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, state, args))):
       raise TypeError(INSIDE_JIT)
+    _accumulate.check_state(state, "TrainStep")
     _check_live(params, state)
     position, window_k = jax.device_get((state.mini_step, state.window_k))
     self._position = int(position)

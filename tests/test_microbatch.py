@@ -488,7 +488,7 @@ def test_microbatch_traced_count_program_size_independent_of_k():
 
   def text(k):
     vg = jax.value_and_grad(_deep_loss)
-    f = jax.jit(lambda w, x, n: microbatch(vg, k, num_real_microbatches=n)(w, x))
+    f = jax.jit(lambda w, x, n: microbatch(vg, k, split="strided", num_real_microbatches=n)(w, x))
     return f.lower(w, x, n).as_text()
 
   def ops(t):

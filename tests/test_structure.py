@@ -279,7 +279,9 @@ def _microbatch_fn(k, traced_num_real):
   vg = jax.value_and_grad(ref.mlp_loss)
   if not traced_num_real:
     return optax_accum.microbatch(vg, k)
-  return lambda p, d, n: optax_accum.microbatch(vg, k, num_real_microbatches=n)(p, d)
+  return lambda p, d, n: optax_accum.microbatch(vg, k, split="strided", num_real_microbatches=n)(
+    p, d
+  )
 
 
 def _microbatch_args(k, traced_num_real, batch_size=64):
