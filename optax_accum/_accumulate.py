@@ -886,7 +886,7 @@ def close_window(
   private = _checks.holds_private_state(window.inner_state)
   window = window if reduced else _global(cfg, window, like)
   # The window's sums, read once at emission (global with an axis): `Config.sums_check`
-  finite = _core.all_finite(window.sums) if cfg.sums_check else jnp.asarray(True)
+  finite = agreed(cfg, _core.all_finite(window.sums)) if cfg.sums_check else jnp.asarray(True)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if private:
     window = private_window(cfg, window, finite)
@@ -898,6 +898,13 @@ def close_window(
     closed = Closed(*_collectives.cond(applied, apply, empty, window), applied, ~finite)
   # The noise partials stay this device's (spent: the next add restarts them).
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
+
+
+def agreed(cfg: Config, finite: jax.Array) -> jax.Array:
+  """A window's finite verdict, one across the model axes of a map (each model shard reads
+  its own slice of a sharded leaf): a NaN or Inf in any slice drops the window everywhere. One
+  scalar all-reduce, none where nothing varies over another axis (`_collectives.agree`)."""
+  return cfg.axis.agree(finite, jnp.zeros((), jnp.float32))[0]
 
 
 def _global(cfg: Config, window: Window, like: Any) -> Window:
@@ -965,6 +972,7 @@ def emit_dynamic(
   finite = jnp.asarray(True)
   if cfg.sums_check:  # read on the micro-step that closes the window only
     finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
+    finite = agreed(cfg, finite)
     if private:
       window = private_window(cfg, window, finite)
     else:
