@@ -28,6 +28,7 @@ and keeps the window position on the host, so dispatch never waits for the devic
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -50,6 +51,18 @@ _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or retu
 # call, and XLA:CPU's temporaries are one allocation; below it the buffer saves nothing, and its
 # arrays cost every call a dispatch per leaf (in and out).
 GRAD_BUFFER_BYTES = 32 * 2**20
+
+# Without `axis_name`: where compiling the backward pass twice is cheap, the emitting micro-step
+# runs one program (grad → add → close, `_step(emit=True)`) instead of the accumulating program
+# and then the closing one: one dispatch fewer per window (on CPU ~60 µs for a small model's
+# parameters and Adam state, 1/3 of the optax notebook MLP's micro-step), for a second compiled
+# backward pass. Cheap means a small accumulating program, by its lowered size: at most this many
+# operations (`_ops`), and parameters below `GRAD_BUFFER_BYTES`, where a micro-step's own work is
+# small enough for a dispatch to show. Measured (`benchmarks/small_models.py`, CPU seconds to
+# compile the accumulating program): the notebook MLP's 325 operations 0.7 s, the two CNNs' 370
+# 1.1-1.4 s, the two transformers' 1053 1.9-2.4 s; the 10M-parameter MLP of `benchmarks/_cross.py`
+# (about 330 operations, 40 MB of parameters) keeps two programs, and its compile time.
+FUSED_EMIT_MAX_OPS = 400
 
 # With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
 # all-reduces the window leaf by leaf (True), or the accumulating program and then the closing
@@ -199,6 +212,11 @@ def _distinct(params: Any, state: Any) -> tuple[Any, Any]:
       seen |= buffers
     out.append(x)
   return jax.tree.unflatten(tree, out) if copied else (params, state)
+
+
+def _ops(lowered: Any) -> int:
+  """The operations of a lowered program (StableHLO): what compiling it costs."""
+  return len(re.findall(r"^\s*%\S+ = ", lowered.as_text(), flags=re.M))
 
 
 def _hollow(inner_state: Any) -> Any:
@@ -393,12 +411,15 @@ class TrainStep:
     # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
     # window it reduces leaf by leaf (`_close_leafwise`); with skip_nonfinite="window" and the
     # noise statistics, which it reads from the window's last gradient
-    # (`_accumulate.sampled_sq_norm`). Fixed here, for the programs' whole life.
+    # (`_accumulate.sampled_sq_norm`); and for a small model (`FUSED_EMIT_MAX_OPS`), decided once,
+    # when the first programs are lowered (`_choose_emitting`).
     self._leafwise = axis.stacks and OVERLAP_WITH_AXIS
     sampled = self._cfg.window_check and self._cfg.noise
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
+    self._chosen = self._fused_emit or axis.stacks  # whether `_choose_emitting` has decided
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_signature`
+    self._pair: Any = None  # its programs, `_compiled[_key]`
     self._hollows: dict[Any, Any] = {}  # `_hollow` by the inner state's tree structure
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
@@ -409,6 +430,7 @@ class TrainStep:
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
     self._last_params: Any = None  # the parameters the last call returned
+    self._arrays = True  # whether every leaf of those parameters is an array (`_all_arrays`)
     self._donates = donate
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
@@ -457,6 +479,7 @@ class TrainStep:
       self._pinned = True
       specs = self._mesh_state_shardings(params)
       if specs is not None:
+        self._chosen = True  # parameters on a mesh: the programs' shardings pinned as they are
         shardings, state = specs
         hollow = state._replace(inner_state=None)
         emitting = (shardings, state, None, None) if self._fused_emit else (shardings, state)
@@ -714,8 +737,10 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
-    arrays = _all_arrays(params, state)
     fresh = state is not self._last_state  # a state this object did not make
+    if fresh or params is not self._last_params:
+      self._arrays = _all_arrays(params, state)
+    arrays = self._arrays  # (what the last call returned is alive, its kinds of leaves known)
     if self._position is None or fresh:
       self._read_position(params, state, args)
     if self._donates and (fresh or params is not self._last_params):
@@ -723,6 +748,8 @@ class TrainStep:
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
+    if not self._chosen:  # the first call: the programs compiled, the emitting one chosen
+      self.compile(params, state, *args, weight=weight)
     hidden = params if arrays else _batch.hide_static(params)
     hidden, state, self._grad_buffer, value = self._dispatch(
       emit, hidden, state, self._buffer(hidden, args), args, weight
@@ -789,7 +816,7 @@ class TrainStep:
     params, _, grad_buffer, args, weight = operands
     if self._key is not None:
       try:
-        return self._compiled[self._key][program](*operands)
+        return self._pair[program](*operands)  # (`_compiled[_key]`, without hashing the key)
       except (TypeError, ValueError, RuntimeError) as e:
         # A deleted array (RuntimeError with several devices), other micro-batch types
         # (looked up below), or a refusal that `_run` explains. Any other RuntimeError came
@@ -800,7 +827,7 @@ class TrainStep:
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    self._key = key
+    self._key, self._pair = key, self._compiled[key]
     return self._run(key, program, *operands)
 
   def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
@@ -827,12 +854,31 @@ class TrainStep:
     """Both programs for these arguments: traced one after the other, compiled concurrently
     (XLA compiles without holding Python's lock). That helps where cores are free: XLA:CPU
     already spreads one compile over two cores. What makes the pair cheap is the closing
-    program, which compiles no backward pass."""
-    emits = (True,) if self._cfg.unaccumulated else (False, True)
-    lowered = {e: self._lower(e, params, state, grad_buffer, args, weight) for e in emits}
+    program, which compiles no backward pass (or, for a small model, `_choose_emitting`)."""
+    if self._cfg.unaccumulated:
+      lowered = {True: self._lower(True, params, state, grad_buffer, args, weight)}
+    else:
+      accumulating = self._lower(False, params, state, grad_buffer, args, weight)
+      self._choose_emitting(accumulating, params)
+      emitting = self._lower(True, params, state, grad_buffer, args, weight)
+      lowered = {False: accumulating, True: emitting}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
+
+  def _choose_emitting(self, accumulating: Any, params: Any) -> None:
+    """Decides, once, whether the emitting micro-step runs one program (grad → add → close)
+    rather than the accumulating program and the closing one: for a small model, where
+    compiling the backward pass twice is cheap (`FUSED_EMIT_MAX_OPS`; `accumulating`: the
+    lowered accumulating program)."""
+    if self._chosen:
+      return
+    self._chosen = True
+    arrays = jax.tree.leaves(_batch.none_for_static(params))
+    nbytes = sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays)
+    if nbytes < GRAD_BUFFER_BYTES and _ops(accumulating) <= FUSED_EMIT_MAX_OPS:
+      self._fused_emit = True
+      self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
   def compile(self, params, state, *args, weight=None) -> TrainStep:
     """Compiles both programs now, concurrently, for arguments like these (else the first call
@@ -861,8 +907,9 @@ class TrainStep:
     buffer = self._grad_buffer
     if buffer is None:
       buffer = self._buffer_types(params, args)
-    self._key = _signature(args, weight)
-    self._compiled[self._key] = self._compile_both(params, state, buffer, args, weight)
+    key = _signature(args, weight)
+    self._compiled[key] = self._compile_both(params, state, buffer, args, weight)
+    self._key, self._pair = key, self._compiled[key]
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
@@ -877,6 +924,8 @@ class TrainStep:
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = self._buffer_types(params, args)
+    if emit and not self._chosen:
+      self._choose_emitting(self._lower(False, params, state, grad_buffer, args, weight), params)
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
