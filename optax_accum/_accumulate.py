@@ -1288,6 +1288,10 @@ def accumulate(
       gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
+      A window whose sums are not finite even so (finite gradients that overflow a narrow
+      accumulator, e.g. float16 with ``accum_dtype=None``) is dropped whole when it closes
+      (one read of the sums then), its micro-batches counted. A micro-batch of weight 0 adds
+      nothing in every mode, a NaN in it included.
       With `axis_name`, each device decides for its own piece of the micro-batch (no collective
       on the accumulating steps): a NaN on one device drops that device's piece only; across
       the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
@@ -1316,8 +1320,10 @@ def accumulate(
       ``accum_dtype=jnp.bfloat16``). "nearest": each addition in `accum_dtype`, rounded to
       nearest (what bfloat16 gradients summed in bfloat16 do; its error grows with the
       window). "stochastic" (bfloat16 only): each addition in float32, rounded to bfloat16 up
-      or down at random, unbiased; keyed per micro-step from the state's step counters, so
-      reproducible and resumable bit for bit. See the fast-path guide for what each costs.
+      or down at random, unbiased; keyed per micro-step from the state's counters (and with
+      `axis_name` per device: independent roundings), so reproducible and resumable bit for
+      bit. With `axis_name` the window's all-reduce sums the devices' sums in float32. See the
+      fast-path guide for what each costs.
 
   A private inner optimizer (one holding ``privacy.dp_noise``'s state) is held to the
   privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,

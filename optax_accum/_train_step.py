@@ -15,6 +15,9 @@ application real memory passes and on GPU makes the host wait for the predicate
   compiled once (two programs compile in about the time of the protocol path's one), for one
   more dispatch per window. With every_k = 1 (no accumulator) one program does
   ``grad → add → close_window → advance``;
+* for a small model (`FUSED_EMIT_MAX_OPS`: compiling the backward pass twice is cheap), the
+  emitting program instead of the closing one: ``grad → add → close_window → advance``, one
+  dispatch per micro-step;
 * with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
   all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
   that leaf only (`_close_leafwise`), so XLA's scheduler can start it while the backward pass
@@ -247,6 +250,9 @@ class TrainStep:
   is compiled once, at the price of one more dispatch per window (every_k=1: one program).
   With `axis_name` the window's last call instead runs one emitting program (gradient → add →
   all-reduce leaf by leaf → update → apply), so the reduction can overlap the backward pass.
+  So does a small model (a small accumulating program: compiling the backward pass twice is
+  cheap, and a dispatch is a large part of its micro-step), decided once, from the first
+  programs' lowered size; the choice changes no result, bit for bit.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -421,6 +427,7 @@ class TrainStep:
     self._key: tuple | None = None  # the last call's `_signature`
     self._pair: Any = None  # its programs, `_compiled[_key]`
     self._hollows: dict[Any, Any] = {}  # `_hollow` by the inner state's tree structure
+    self._hollow_of: tuple = (None, None)  # the last inner state and its `_hollow`
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
     # for parameters placed on a mesh (the accumulator sharded like them).
@@ -800,11 +807,15 @@ class TrainStep:
     return params, state, grad_buffer, value
 
   def _hollow(self, inner_state: Any) -> Any:
-    """`_hollow` of the inner state, made once per tree structure."""
+    """`_hollow` of the inner state, made once per tree structure (and not looked up again for
+    the inner state of the last call: the accumulating calls of a window pass the same one)."""
+    if inner_state is self._hollow_of[0]:
+      return self._hollow_of[1]
     tree = jax.tree.structure(inner_state)
     hollow = self._hollows.get(tree)
     if hollow is None:
       hollow = self._hollows[tree] = _hollow(inner_state)
+    self._hollow_of = (inner_state, hollow)
     return hollow
 
   def _first(self, program: bool, operands: tuple, state: Any) -> Any:
@@ -917,8 +928,9 @@ class TrainStep:
     ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
     (with every_k = 1 either gives the one program, which adds and closes each window). With
-    `axis_name`, ``emit=True`` gives the emitting program, which takes a micro-batch like the
-    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf."""
+    `axis_name`, or for a small model (`FUSED_EMIT_MAX_OPS`), ``emit=True`` gives the emitting
+    program, which takes a micro-batch like the accumulating one: it computes the last
+    gradient, adds it and closes the window (with `axis_name`, all-reducing it leaf by leaf)."""
     self._pin(params)
     params = _batch.hide_static(params)
     grad_buffer = self._grad_buffer
