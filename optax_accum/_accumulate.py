@@ -922,7 +922,7 @@ def reduced_sums(cfg: Config, sums: Any) -> Any:
   """The sums as the window's all-reduce takes them: a narrow accumulator (an explicit
   `rounding`) in float32 (`_core.wide_sums`), the global sums and their mean then float32 too
   (`advance` stores them back in the accumulator's dtypes)."""
-  return _core.wide_sums(sums) if cfg.rounding is not None else sums
+  return _core.wide_sums(sums) if cfg.rounding is not None and cfg.axis.stacks else sums
 
 
 def _noise_partials(noise: Any) -> tuple:

@@ -40,8 +40,7 @@ def pytest_configure(config):
   of lines. Ignored there, the controller stops the run (its own few lines) and shuts the
   workers down: a worker lets its current test finish, or is ended 15 s later by execnet.
   """
-  del config
-  if os.environ.get("PYTEST_XDIST_WORKER"):
+  if hasattr(config, "workerinput"):  # an xdist worker (not a session such a worker starts)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -87,6 +87,19 @@ def test_busy_too(worker_id):
 """
 
 
+# pytest as a terminal starts it: Ctrl-C raises KeyboardInterrupt. (A process started with SIGINT
+# ignored, as this test's own xdist worker is, would pass that on to its children.)
+INTERACTIVE = (
+  "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+  "sys.exit(pytest.main(sys.argv[1:]))"
+)
+
+
+def _outside_xdist() -> dict:
+  """The environment without this test's own xdist worker's variables."""
+  return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
+
+
 def _interrupted_run(tmp_path, with_conftest: bool) -> tuple[list[str], list[str]]:
   """A `-n 2` session sent SIGINT, as the terminal sends Ctrl-C to every process of the run,
   once both workers run a test: the lines it printed after that, and the workers whose test
@@ -96,10 +109,9 @@ def _interrupted_run(tmp_path, with_conftest: bool) -> tuple[list[str], list[str
   if with_conftest:
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
   proc = subprocess.Popen(
-    [sys.executable, "-m", "pytest", "-n", "2", "-q", "-p", "no:cacheprovider", "test_busy.py"],
+    [sys.executable, "-c", INTERACTIVE, "-n", "2", "-q", "-p", "no:cacheprovider", "test_busy.py"],
     cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    env={**os.environ, "PYTHONPATH": str(tmp_path)}, start_new_session=True,
-    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    env={**_outside_xdist(), "PYTHONPATH": str(tmp_path)}, start_new_session=True,
   )  # fmt: skip
   try:
     deadline = time.monotonic() + 60
@@ -112,8 +124,9 @@ def _interrupted_run(tmp_path, with_conftest: bool) -> tuple[list[str], list[str
     if proc.poll() is None:
       os.killpg(proc.pid, signal.SIGKILL)
   lines = out.splitlines()
-  after = lines[next(i for i, x in enumerate(lines) if "KeyboardInterrupt" in x) :]
-  return after, sorted(p.name for p in tmp_path.glob("interrupted-*"))
+  at = [i for i, x in enumerate(lines) if "KeyboardInterrupt" in x]
+  assert at, out  # the run was interrupted
+  return lines[at[0] :], sorted(p.name for p in tmp_path.glob("interrupted-*"))
 
 
 def test_ctrl_c_ends_a_parallel_run_in_a_few_lines(tmp_path):
