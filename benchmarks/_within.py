@@ -45,7 +45,9 @@ def _ours_padded(loss, params, batch, k):
   """One program for every number of real micro-batches ``n`` (a traced int32 argument)."""
 
   def f(params, batch, n):
-    step = optax_accum.microbatch(jax.value_and_grad(loss), k, num_real_microbatches=n)
+    step = optax_accum.microbatch(
+      jax.value_and_grad(loss), k, split="strided", num_real_microbatches=n
+    )
     return step(params, batch)
 
   return H.compile_fn(f, params, batch, jnp.int32(k))

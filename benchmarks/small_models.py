@@ -25,15 +25,19 @@ one-call-per-micro-step path pays per call.
     python benchmarks/small_models.py --rounds 7   # the committed run
     python benchmarks/small_models.py --rounds 3 --models notebook_mlp nnx_cnn
 
-About 4 CPU-minutes, most of them compiling (some 75 programs) and the NNX CNN's rolled loops
-(0.8 s a step on CPU); the committed run took 160 s on an idle 2-core machine (20 minutes at a
-load average of 10 to 13).
+About 4 CPU-minutes, most of them compiling (some 80 programs) and the NNX CNN's rolled loops
+(0.8 s a step on CPU); the committed run took 155 s on a 2-core machine at a load average of 2
+(20 minutes at 10 to 13). A cross-step sample runs whole windows for at least `SAMPLE_S`
+(0.05 s): the calls of consecutive windows are dispatched without waiting, as a training loop
+dispatches them, and a small model's window (a fraction of a millisecond) is not timed alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import platform
 import sys
@@ -53,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import _models  # noqa: E402
+from optax_accum import _train_step  # noqa: E402
 
 LR = 1e-3
 # Adam's eps, above the default 1e-8: Adam's first update is -LR * g / (|g| + eps), which with a
@@ -244,12 +249,17 @@ class Protocol(Runner):
 
 
 class Train(Runner):
-  """`TrainStep(loss, adam, k)`, called once per micro-batch."""
+  """`TrainStep(loss, adam, k)`, called once per micro-batch. `two_programs`: the emitting
+  micro-step runs the accumulating program and then the closing one whatever the model's size
+  (``_train_step.FUSED_EMIT_MAX_OPS = 0`` while the object decides), the path before issue 42's
+  item 7 for a small model, as a contender in the same run."""
 
-  def __init__(self, params, loss, k, micro):
+  def __init__(self, params, loss, k, micro, two_programs=False):
     super().__init__(params)
-    self.step = optax_accum.TrainStep(loss, adam(), k)
-    self.state, self.micro = self.step.init(self.params), micro
+    with _max_ops(0 if two_programs else _train_step.FUSED_EMIT_MAX_OPS):
+      self.step = optax_accum.TrainStep(loss, adam(), k)
+      self.state, self.micro = self.step.init(self.params), micro
+      self.step.compile(self.params, self.state, micro[0])
 
   def window(self):
     for mb in self.micro:
@@ -262,6 +272,47 @@ class Train(Runner):
     if self.step._fused_emit:
       return (k - 1) * _passed(programs[False]) + _passed(programs[True])
     return k * _passed(programs[False]) + _passed(programs[True])
+
+
+@contextlib.contextmanager
+def _max_ops(value: int):
+  """`_train_step.FUSED_EMIT_MAX_OPS` set to `value` while a `TrainStep` chooses its programs."""
+  saved = _train_step.FUSED_EMIT_MAX_OPS
+  _train_step.FUSED_EMIT_MAX_OPS = value
+  try:
+    yield
+  finally:
+    _train_step.FUSED_EMIT_MAX_OPS = saved
+
+
+def _timed_compile(lowered) -> tuple[Any, float, float]:
+  """The compiled program, and its compile's wall and CPU seconds (CPU: this process's, which a
+  loaded machine does not inflate as much)."""
+  t, c = time.perf_counter(), time.process_time()
+  compiled = lowered.compile()
+  return compiled, time.perf_counter() - t, time.process_time() - c
+
+
+def train_step_programs(s: Small, params, micro) -> dict:
+  """What TrainStep chose for this model and why: its accumulating program's size (lowered
+  operations, `_train_step._ops`) against `FUSED_EMIT_MAX_OPS`, and the compile seconds of each
+  program, for both choices (one emitting program, or the closing one after the accumulating
+  one), on fresh objects."""
+  out = {"max_ops": _train_step.FUSED_EMIT_MAX_OPS}
+  for name, max_ops in (("one", 10**9), ("two", 0)):
+    with _max_ops(max_ops):
+      step = optax_accum.TrainStep(s.model.loss, adam(), s.k)
+      state = step.init(params)
+      accumulating = step.lower(params, state, micro[0])
+      emitting = step.lower(params, state, micro[0], emit=True)
+    _, acc_wall, acc_cpu = _timed_compile(accumulating)
+    _, emit_wall, emit_cpu = _timed_compile(emitting)
+    out["ops"] = _train_step._ops(accumulating)
+    out[name] = {"accumulating": [acc_wall, acc_cpu], "emitting": [emit_wall, emit_cpu]}
+  chosen = optax_accum.TrainStep(s.model.loss, adam(), s.k)
+  chosen.lower(params, chosen.init(params), micro[0], emit=True)
+  out["chosen"] = "one" if chosen._fused_emit else "two"
+  return out
 
 
 class HandLoop(Runner):
@@ -351,6 +402,7 @@ def cross_runners(s: Small, params, micro) -> dict[str, Runner]:
   return {
     "accumulate": Protocol(params, loss, optax_accum.accumulate(adam(), k), micro),
     "TrainStep": Train(params, loss, k, micro),
+    "TrainStep, two programs": Train(params, loss, k, micro, two_programs=True),
     "MultiSteps": Protocol(params, loss, optax.MultiSteps(adam(), k), micro),
     "hand loop": HandLoop(params, loss, k, micro),
     "adam (floor)": Protocol(params, loss, adam(), micro),
@@ -458,7 +510,9 @@ def measure(s: Small, rounds: int, log: Callable) -> dict:
   inner, programs = in_step_runners(s, params, batch)
   diffs = {**check_agreement(cross, want), **check_agreement(inner, want, skip=())}
   log(f"{s.name}: contenders agree (max |Δparams| {max(diffs.values()):.1e}); timing")
-  t_cross = H.run_side_by_side({n: r.window for n, r in cross.items()}, rounds=rounds, units=s.k)
+  reps = _repeats(cross["hand loop"].window)
+  windows = {n: _repeated(r.window, reps) for n, r in cross.items()}
+  t_cross = H.run_side_by_side(windows, rounds=rounds, units=s.k * reps)
   t_in = H.run_side_by_side({n: r.window for n, r in inner.items()}, rounds=rounds)
   return {
     "model": s.name,
@@ -469,7 +523,11 @@ def measure(s: Small, rounds: int, log: Callable) -> dict:
     "max_abs_diff": diffs,
     "cross": {n: t.as_dict() for n, t in t_cross.items()},
     "arrays_per_step": {n: r.arrays() / s.k for n, r in cross.items() if r.arrays() is not None},
-    "cross_ratio": _ratios(t_cross, ("MultiSteps", "hand loop"), ("accumulate", "TrainStep")),
+    "windows_per_sample": reps,
+    "train_step_programs": train_step_programs(s, params, micro),
+    "cross_ratio": _ratios(
+      t_cross, ("MultiSteps", "hand loop"), ("accumulate", "TrainStep", "TrainStep, two programs")
+    ),
     "in": {n: {**t.as_dict(), **programs[n]} for n, t in t_in.items()},
     "in_ratio": _ratios(
       t_in,
@@ -477,6 +535,31 @@ def measure(s: Small, rounds: int, log: Callable) -> dict:
       ("microbatch", "microbatch unroll=True", "hand scan unrolled", "large batch"),
     ),
   }
+
+
+# A timed sample of the cross-step contenders lasts at least this long: a window of a small
+# model takes well under a millisecond, where one sample would be at the mercy of the scheduler.
+SAMPLE_S = 0.05
+
+
+def _repeats(window: Callable[[], Any], probes: int = 5) -> int:
+  """How many windows make one sample of at least `SAMPLE_S` seconds (from the fastest of a
+  few probes)."""
+  best = float("inf")
+  for _ in range(probes):
+    t = time.perf_counter()
+    H.block(window())
+    best = min(best, time.perf_counter() - t)
+  return max(1, math.ceil(SAMPLE_S / best))
+
+
+def _repeated(window: Callable[[], Any], reps: int) -> Callable[[], Any]:
+  def run():
+    for _ in range(reps):
+      out = window()
+    return out
+
+  return run
 
 
 def _ratios(t: dict[str, H.Timing], best_of: tuple[str, ...], ours: tuple[str, ...]) -> dict:
@@ -523,12 +606,30 @@ def memory_table(results: list[dict]) -> list[str]:
 
 
 def arrays_table(results: list[dict], per_array: float) -> list[str]:
-  names = ("hand loop", "MultiSteps", "accumulate", "TrainStep")
+  names = ("hand loop", "MultiSteps", "accumulate", "TrainStep", "TrainStep, two programs")
   lines = ["| model | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
   for r in results:
     n = r["arrays_per_step"]
     cells = [f"{n[x]:.0f} ({_ms(n[x] * per_array)})" for x in names]
     lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
+  return lines
+
+
+def programs_table(results: list[dict]) -> list[str]:
+  """TrainStep's choice per model, and the compile seconds (wall, CPU) behind it."""
+  lines = [
+    "| model | accumulating program: operations | emitting micro-step | compile: accumulating "
+    "| compile: one emitting program | compile: closing program |",
+    "|---|---:|---|---:|---:|---:|",
+  ]
+  for r in results:
+    p = r["train_step_programs"]
+    sec = lambda w_c: f"{w_c[0]:.2f} s ({w_c[1]:.2f} s CPU)"  # noqa: E731
+    chosen = "one program" if p["chosen"] == "one" else "two programs"
+    lines.append(
+      f"| {r['model']} | {p['ops']} | {chosen} | {sec(p['one']['accumulating'])} | "
+      f"{sec(p['one']['emitting'])} | {sec(p['two']['emitting'])} |"
+    )
   return lines
 
 
@@ -541,11 +642,12 @@ def report(results: list[dict], meta: dict) -> str:
   ]
   return "\n".join(
     [
-      "# Small models: per-call overhead and the micro-batch loop (issue 34, item 18)",
+      "# Small models: per-call overhead and the micro-batch loop (issue 34, item 18; issue 42, "
+      "item 7)",
       "",
       f"`python benchmarks/small_models.py --rounds {meta['rounds']}`; {meta['when']}, "
       f"{meta['machine']}, jax {meta['jax']}, optax {meta['optax']}; {meta['total_s']:.0f} s "
-      f"in all; load average at the end {meta['load']}.",
+      f"in all; load average {meta['load_start']} at the start, {meta['load']} at the end.",
       "",
       *shapes,
       "",
@@ -556,9 +658,25 @@ def report(results: list[dict], meta: dict) -> str:
       "",
       "## Cross-step: time per micro-step",
       "",
-      "Ratios against the better of `optax.MultiSteps` and the hand-written loop.",
+      "Ratios against the better of `optax.MultiSteps` and the hand-written loop. Each timed "
+      f"sample runs whole windows for at least {SAMPLE_S * 1e3:.0f} ms (the notebook MLP's: "
+      f"{results[0]['windows_per_sample']} windows). `TrainStep, two programs`: the same "
+      "object made to run the accumulating program and then the closing one on each window's "
+      "last micro-step (what it did for every model before issue 42).",
       "",
       *table(results, "cross"),
+      "",
+      "## TrainStep: one program per micro-step where compiling the backward pass twice is cheap",
+      "",
+      "Without an axis, `TrainStep` runs one program on a window's last micro-step (gradient, "
+      "add, update, apply) instead of the accumulating program and then the closing one, when "
+      "its accumulating program has at most `_train_step.FUSED_EMIT_MAX_OPS` = "
+      f"{results[0]['train_step_programs']['max_ops']} operations (lowered) and the "
+      "parameters are below 32 MiB: that program then compiles the backward pass a second "
+      "time. Compile seconds of each program on fresh objects (wall, and this process's CPU "
+      "seconds, which a loaded machine inflates less):",
+      "",
+      *programs_table(results),
       "",
       "## In-step: time per update (k micro-batches)",
       "",
@@ -600,6 +718,7 @@ def main(argv=None) -> None:
   ap.add_argument("--out", type=Path, default=OUT)
   args = ap.parse_args(argv)
   t0 = time.time()
+  load_start = f"{os.getloadavg()[0]:.1f}"
   chosen = models()
   names = args.models or list(chosen)
   results = []
@@ -614,6 +733,7 @@ def main(argv=None) -> None:
     "optax": optax.__version__,
     "total_s": time.time() - t0,
     "load": f"{os.getloadavg()[0]:.1f}",
+    "load_start": load_start,
     "arrays": arrays,
   }
   args.out.mkdir(parents=True, exist_ok=True)

@@ -26,12 +26,13 @@ and one conditional decides whether the inner optimizer runs (`emit_dynamic`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from optax_accum import _checks, _collectives, _core, _find, _gain, _noise
 from optax_accum._typing import AxisName, DType, Reduction
@@ -228,6 +229,19 @@ class Config(NamedTuple):
   @property
   def axis_name(self) -> AxisName | None:
     return self.axis.name
+
+  @property
+  def sums_check(self) -> bool:
+    """Whether a closing window's sums are checked for NaN/Inf, the window dropped whole (and
+    its micro-batches counted) where they are not: with ``skip_nonfinite="window"`` (the only
+    check), and with ``skip_nonfinite=True`` too, where finite micro-batches can still add up
+    to ±Inf (an overflow of a narrow accumulator: two float16 gradients of 40000). One read of
+    the sums on the closing micro-step, one boolean scalar per window. Not for a window of one
+    micro-batch without an axis: its sums are that micro-batch, checked already (`_core.add_one`
+    checks a weighted "sum" too)."""
+    if self.window_check:
+      return True
+    return self.skip_nonfinite and not (self.unaccumulated and not self.axis.stacks)
 
   @property
   def unaccumulated(self) -> bool:
@@ -428,6 +442,30 @@ def _check_per_device(cfg: Config, state: AccumulateState, caller: str) -> None:
     raise ValueError(NOT_PER_DEVICE.format(caller=caller, axis=cfg.axis.name, shape=shape))
 
 
+def check_state(state: Any, caller: str) -> None:
+  """Raises a TypeError naming the fix if `state` is not an `AccumulateState`; for plain
+  containers holding its fields (a checkpoint restored without a target), the recipe."""
+  if isinstance(state, AccumulateState):
+    return
+  fields = list(state) if isinstance(state, Mapping) else []
+  if "mini_step" in fields or "grad_sum" in fields:
+    raise TypeError(UNTYPED_STATE.format(caller=caller, kind=type(state).__name__, n=len(fields)))
+  raise TypeError(
+    f"{caller}: expected the AccumulateState that init made, got a {type(state).__name__}. "
+    "Pass the state that init (or the last update) returned."
+  )
+
+
+UNTYPED_STATE = (
+  "{caller}: the state is a {kind} of {n} entries holding AccumulateState's fields, not an "
+  "AccumulateState: a checkpoint restored without a target (Orbax then gives back plain "
+  "containers). Restore into the abstract tree of what you saved, made by init:\n\n"
+  "    abstract = jax.eval_shape(lambda p: {{'params': p, 'opt_state': tx.init(p)}}, params)\n"
+  "    restored = ocp.StandardCheckpointer().restore(path, abstract)\n\n"
+  "(with TrainStep, step.init in place of tx.init; see the checkpointing guide)."
+)
+
+
 def check_update(
   cfg: Config,
   grads: Any,
@@ -460,9 +498,31 @@ def check_update(
     raise ValueError(f"{caller}: emit=False contradicts force_emit=True.")
   if emit is False and cfg.unaccumulated:
     raise ValueError(EMIT_FALSE_AT_1.format(caller=caller))
+  if emit is False:
+    _check_emit_false(cfg, state, caller)
   cfg.axis.warn_if_reduced(grads, weight, caller)
   cfg.axis.check_uniform(force_emit, "force_emit", caller)
   return weight
+
+
+def _check_emit_false(cfg: Config, state: AccumulateState, caller: str) -> None:
+  """Raises if ``emit=False`` is passed on (or past) the last call of the open window, where
+  the state is concrete (outside `jax.jit`: its position is known without a device read in
+  a traced program, which cannot check it)."""
+  if any(isinstance(x, jax.core.Tracer) for x in (state.mini_step, state.window_k)):
+    return
+  k, at = int(window_length(cfg, state)), int(state.mini_step) + 1
+  if at >= k:
+    raise ValueError(EMIT_FALSE_PAST_K.format(caller=caller, at=at, k=k))
+
+
+EMIT_FALSE_PAST_K = (
+  "{caller}: emit=False on call {at} of a window of {k} micro-steps: the window's last call "
+  "must pass emit=True (it closes the window and applies the update), and no window holds "
+  "more than its k calls. Pass emit=True on every k-th call, e.g. emit=(step + 1) % k == 0 "
+  "for a step counter from 0, or omit emit (emit=None) to let the device decide from the "
+  "state's mini_step."
+)
 
 
 EMIT_FALSE_AT_1 = (
@@ -612,10 +672,16 @@ def add(
     restart=restart,
     finite=finite,
     agree=cfg.axis.agree,
-    key=_core.rounding_key(state.gradient_step, state.mini_step)
-    if cfg.rounding == "stochastic"
-    else None,
+    key=rounding_key(cfg, state) if cfg.rounding == "stochastic" else None,
   )
+
+
+def rounding_key(cfg: Config, state: AccumulateState) -> jax.Array:
+  """This micro-step's stochastic-rounding key (`_core.rounding_key`), with an axis folded with
+  the device's index: each device rounds its own sums independently."""
+  device = None if cfg.axis.name is None else lax.axis_index(cfg.axis.name)
+  skipped = cfg.axis.this_device(state.num_skipped)
+  return _core.rounding_key(state.gradient_step, skipped, state.mini_step, device)
 
 
 def add_noise(
@@ -823,8 +889,8 @@ def close_window(
   local = window.noise
   private = _checks.holds_private_state(window.inner_state)
   window = window if reduced else _global(cfg, window, like)
-  # skip_nonfinite="window": the window's sums, read once at emission (global with an axis)
-  finite = _core.all_finite(window.sums) if cfg.window_check else jnp.asarray(True)
+  # The window's sums, read once at emission (global with an axis): `Config.sums_check`
+  finite = agreed(cfg, _core.all_finite(window.sums)) if cfg.sums_check else jnp.asarray(True)
   apply = functools.partial(_inner_update, cfg, like, finish)
   if private:
     window = private_window(cfg, window, finite)
@@ -838,14 +904,29 @@ def close_window(
   return closed._replace(noise=_with_partials(closed.noise, _noise_partials(local)))
 
 
+def agreed(cfg: Config, finite: jax.Array) -> jax.Array:
+  """A window's finite verdict, one across the model axes of a map (each model shard reads
+  its own slice of a sharded leaf): a NaN or Inf in any slice drops the window everywhere. One
+  scalar all-reduce, none where nothing varies over another axis (`_collectives.agree`)."""
+  return cfg.axis.agree(finite, jnp.zeros((), jnp.float32))[0]
+
+
 def _global(cfg: Config, window: Window, like: Any) -> Window:
   """The window summed across devices: its sums, total weight and noise partials in ONE
   all-reduce (`like`: the micro-batch gradients, for `reduce_window`)."""
   scalars = (window.total, _noise_partials(window.noise))
-  sums, (total, partials) = cfg.axis.reduce_window(window.sums, scalars, like, cfg.normalisation)
+  sums = reduced_sums(cfg, window.sums)
+  sums, (total, partials) = cfg.axis.reduce_window(sums, scalars, like, cfg.normalisation)
   if partials and _reduced(cfg, like):  # n copies of the same micro-batches: count them once
     partials = _noise.once(partials, cfg.axis.size())
   return window._replace(sums=sums, total=total, noise=_with_partials(window.noise, partials))
+
+
+def reduced_sums(cfg: Config, sums: Any) -> Any:
+  """The sums as the window's all-reduce takes them: a narrow accumulator (an explicit
+  `rounding`) in float32 (`_core.wide_sums`), the global sums and their mean then float32 too
+  (`advance` stores them back in the accumulator's dtypes)."""
+  return _core.wide_sums(sums) if cfg.rounding is not None and cfg.axis.stacks else sums
 
 
 def _noise_partials(noise: Any) -> tuple:
@@ -874,7 +955,7 @@ def private_window(cfg: Config, window: Window, finite: jax.Array) -> Window:
   always are: a gradient clipping did not make, or a NaN clipping did not catch): its sums are
   dropped (`_inner_update` replaces them by zeros) and its micro-batches counted in
   `num_skipped` (`advance`), as elsewhere, and the parameters stay finite."""
-  return window._replace(finite=finite) if cfg.window_check else window
+  return window._replace(finite=finite) if cfg.sums_check else window
 
 
 def emit_dynamic(
@@ -893,8 +974,9 @@ def emit_dynamic(
   private = _checks.holds_private_state(window.inner_state)
   applies = emitting & (window.total > 0) if guard and not private else emitting
   finite = jnp.asarray(True)
-  if cfg.window_check:  # read on the micro-step that closes the window only
+  if cfg.sums_check:  # read on the micro-step that closes the window only
     finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
+    finite = agreed(cfg, finite)
     if private:
       window = private_window(cfg, window, finite)
     else:
@@ -928,11 +1010,12 @@ def advance(
   in_window: jax.Array | None = None,
 ) -> AccumulateState:
   """The state after this micro-step (`emitting`: a bool or boolean scalar; `in_window`: the
-  window's micro-batches, default ``mini_step + 1``, counted when `window_check` drops it)."""
+  window's micro-batches, default ``mini_step + 1``, counted when `Config.sums_check` drops
+  it)."""
   axis = cfg.axis
   skipped = axis.this_device(state.num_skipped) + jnp.asarray(dropped).astype(jnp.int32)
   applied, noise = closed.applied, closed.noise
-  if cfg.window_check:  # a window with weight whose sums were not finite: dropped whole
+  if cfg.sums_check:  # a window with weight whose sums were not finite: dropped whole
     whole = state.mini_step + 1 if in_window is None else in_window
     nonfinite = emitting & closed.nonfinite & (total > 0)
     skipped = skipped + jnp.where(nonfinite, whole, 0).astype(jnp.int32)
@@ -944,13 +1027,19 @@ def advance(
     mini_step=jnp.where(emitting, 0, optax.safe_increment(state.mini_step)).astype(jnp.int32),
     gradient_step=gradient_step,
     window_k=next_length(cfg, k, noise, emitting, gradient_step),
-    grad_sum=no_sums(axis, sums) if cfg.unaccumulated else axis.per_device(sums),
+    grad_sum=no_sums(axis, sums) if cfg.unaccumulated else axis.per_device(_like(sums, state)),
     acc_weight=axis.per_device(jnp.zeros((), jnp.float32) if cfg.unaccumulated else total),
     num_skipped=axis.per_device(skipped),
     inner_state=closed.inner_state,
     updated=jnp.asarray(applied, jnp.bool_),
     noise=_per_device_noise(axis, noise),
   )
+
+
+def _like(sums: Any, state: AccumulateState) -> Any:
+  """The sums in the accumulator's dtypes (the global sums of a closed window may be wider:
+  `reduced_sums`)."""
+  return jax.tree.map(lambda s, a: s.astype(a.dtype), sums, state.grad_sum)
 
 
 def close_from_state(
@@ -1052,6 +1141,7 @@ def update(
 ) -> tuple[Any, AccumulateState]:
   """`accumulate`'s update: the optax protocol, read top-down (`updates` are gradients)."""
   grads = updates
+  check_state(state, "accumulate.update")
   weight = check_update(cfg, grads, state, params, weight, force_emit, emit)
   sq = sq_norm(cfg, grads, state, emit, force_emit)
   sums, total, dropped = add(cfg, grads, state, weight, sq)
@@ -1202,6 +1292,10 @@ def accumulate(
       gradient then raises rather than being narrowed.
     skip_nonfinite: drop micro-batches whose gradient has a NaN or Inf: neither their gradient
       nor their weight enters the sums; `num_skipped` counts them. They still count towards k.
+      A window whose sums are not finite even so (finite gradients that overflow a narrow
+      accumulator, e.g. float16 with ``accum_dtype=None``) is dropped whole when it closes
+      (one read of the sums then), its micro-batches counted. A micro-batch of weight 0 adds
+      nothing in every mode, a NaN in it included.
       With `axis_name`, each device decides for its own piece of the micro-batch (no collective
       on the accumulating steps): a NaN on one device drops that device's piece only; across
       the model axes of a `shard_map` the decision is one (a NaN in one model shard drops the
@@ -1230,8 +1324,10 @@ def accumulate(
       ``accum_dtype=jnp.bfloat16``). "nearest": each addition in `accum_dtype`, rounded to
       nearest (what bfloat16 gradients summed in bfloat16 do; its error grows with the
       window). "stochastic" (bfloat16 only): each addition in float32, rounded to bfloat16 up
-      or down at random, unbiased; keyed per micro-step from the state's step counters, so
-      reproducible and resumable bit for bit. See the fast-path guide for what each costs.
+      or down at random, unbiased; keyed per micro-step from the state's counters (and with
+      `axis_name` per device: independent roundings), so reproducible and resumable bit for
+      bit. With `axis_name` the window's all-reduce sums the devices' sums in float32. See the
+      fast-path guide for what each costs.
 
   A private inner optimizer (one holding ``privacy.dp_noise``'s state) is held to the
   privacy contract (`optax_accum.privacy.CONTRACT`): at `init`, ``reduction="mean"``,

@@ -75,7 +75,7 @@ def zeros(tree: Any, accum_dtype: DType | None, *, mean: bool = False, exact: bo
 
 ROUNDINGS = (None, "nearest", "stochastic")
 # The fixed seed of stochastic rounding's keys: each micro-step's key is this seed folded with
-# the state's (gradient_step, mini_step), so a run is reproducible and a restored state resumes
+# the state's counters (`rounding_key`), so a run is reproducible and a restored state resumes
 # bit for bit, with no random state kept.
 ROUNDING_SEED = 0x5EED_ACC
 
@@ -112,11 +112,30 @@ def check_skip_window(skip_nonfinite: Any) -> bool:
   return True
 
 
-def rounding_key(gradient_step: jax.Array, mini_step: jax.Array) -> jax.Array:
+def rounding_key(
+  gradient_step: jax.Array,
+  num_skipped: jax.Array,
+  mini_step: jax.Array,
+  device: jax.Array | None = None,
+) -> jax.Array:
   """The stochastic-rounding key of one micro-step: `ROUNDING_SEED` folded with the state's
-  position, so that the same state always draws the same bits."""
+  counters, so that the same state always draws the same bits, and no two micro-steps of a
+  run draw the same: within a window `mini_step` moves; a window that closes with an update
+  moves `gradient_step`; one dropped for NaN/Inf moves `num_skipped` (a window that closes
+  empty otherwise held only zero weights, whose additions are exact zeros whatever the bits).
+  `device`: the device's index along the data axis, so that devices round independently
+  (the same bits everywhere would make every device's rounding errors one error, n times)."""
   key = jax.random.fold_in(jax.random.key(ROUNDING_SEED), gradient_step)
-  return jax.random.fold_in(key, mini_step)
+  key = jax.random.fold_in(jax.random.fold_in(key, num_skipped), mini_step)
+  return key if device is None else jax.random.fold_in(key, device)
+
+
+def wide_sums(sums: Any) -> Any:
+  """A narrow accumulator's sums (an explicit `rounding`: bfloat16, float16) in float32, for
+  the window's all-reduce: summed across devices in their own dtype, each addition of the
+  reduction would round again (to nearest)."""
+  narrow = lambda s: jnp.issubdtype(s.dtype, jnp.floating) and jnp.finfo(s.dtype).bits < 32  # noqa: E731
+  return jax.tree.map(lambda s: s.astype(jnp.float32) if narrow(s) else s, sums)
 
 
 def stochastic_round(y: jax.Array, key: jax.Array) -> jax.Array:
@@ -220,6 +239,8 @@ def add(
       `_checks.weight`) drops the micro-batch, whatever `skip_nonfinite` says.
     skip_nonfinite: when True a micro-batch with any NaN/Inf in `tree` adds nothing, neither
       to `sums` nor to `total` (selected away, never multiplied by 0: ``0 * nan`` is nan).
+      Whatever it says, a micro-batch of weight 0 adds exact zeros (a NaN in it included) and
+      is not counted as dropped.
     restart: an optional boolean scalar; where True, `sums` and `total` are treated as zero
       (a new window starts). Resetting lazily here, inside the same elementwise pass, is what
       lets the emitting step leave the donated accumulator alone instead of copying it out
@@ -241,6 +262,9 @@ def add(
   checked = tree if check is None else check
   w, keep = _kept_weight(checked, weight, total.dtype, skip_nonfinite, finite, agree)
   masked = skip_nonfinite or weight is not None
+  # A micro-batch adds its values only with a positive weight: one dropped, or weighing 0,
+  # contributes exact zeros whatever it holds (``0 * nan`` is nan), in every mode.
+  adds = w > 0
   if restart is not None:
     total = jnp.where(restart, jnp.zeros_like(total), total)
 
@@ -253,7 +277,7 @@ def add(
     if weight is not None:
       x = x * w.astype(dtype)
     if masked:
-      x = jnp.where(keep, x, jnp.zeros_like(x))
+      x = jnp.where(adds, x, jnp.zeros_like(x))
     if stochastic:  # the sum in float32, then rounded once (a kept-out x adds exact zeros)
       return stochastic_round(s.astype(dtype) + x, jax.random.fold_in(key, i))
     return s + x
@@ -317,6 +341,11 @@ def add_one(
       return (jnp.asarray(x).astype(dtype) * total.astype(dtype)).astype(jnp.result_type(x))
 
     tree = jax.tree.map(weigh, tree)
+    if skip_nonfinite:  # a finite gradient times a large weight can overflow its dtype
+      keep = keep & all_finite(tree)
+      if agree is not None:
+        keep, total = agree(keep, total)
+      total = jnp.where(keep, total, jnp.zeros_like(total))
   return tree, total, jnp.logical_not(keep)
 
 

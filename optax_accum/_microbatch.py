@@ -84,6 +84,27 @@ class _DefaultReduction(str):
 
 DEFAULT_MEAN = _DefaultReduction("mean")
 
+
+class _DefaultSplit(str):
+  """The default "strided", told apart from a "strided" the caller asked for (`_check_split`)."""
+
+  __slots__ = ()
+
+
+DEFAULT_SPLIT = _DefaultSplit("strided")
+
+PADDED_SPLIT = (
+  "microbatch: num_real_microbatches={n} runs the first micro-batches only, and which rows they "
+  "hold depends on split, here left at its default 'strided' (micro-batch i is rows i, i+k, "
+  "i+2k, ...): the real rows would have to be those with row % k < n. The usual padded batch "
+  "has its real rows first (padded at its end, e.g. np.pad), and with the strided split that "
+  "runs real and padding rows alike and leaves real rows out, silently. Say how the batch is "
+  "laid out: split='contiguous' for a batch padded at its end (micro-batch i is rows i*b to "
+  "i*b + b - 1, so the first n micro-batches are the first n*b rows), or split='strided' for "
+  "rows laid out so that row r is real when r % k < n (privacy.PoissonSampler(split='strided') "
+  "lays its batches out so)."
+)
+
 LAYOUT_MISMATCH = (
   "microbatch: {lost} of the batch's {real} real rows (argument {at}, the mask, nonzero) sit "
   "in micro-batches that never run: num_real_microbatches={n} of {k} with split={split!r} runs "
@@ -189,7 +210,7 @@ def microbatch(
   state_argnums: ArgNums = (),
   state_out: Callable[[Any], Any] | None = None,
   accum_dtype: DType | None = jnp.float32,
-  split: Split = "strided",
+  split: Split = DEFAULT_SPLIT,
   skip_nonfinite: bool = True,
   return_info: bool = False,
   noise_scale: int | Callable[[Any], Any] | None = None,
@@ -262,10 +283,14 @@ def microbatch(
 
   A padded batch (the last, partly empty batch of an epoch at the usual shape): pass
   `num_real_microbatches` ``n`` and only the first ``n`` micro-batches run — the loop stops
-  after them. "mean" and "sum" cover the real micro-batches only, "last" and the state come
-  from the last real one, and "concat"/"stack" entries of the others are zeros. With ``n = 0``
-  nothing runs: "mean" and "sum" give zeros (as all-zero weights do) and the state comes back
-  as given.
+  after them. Which rows those are is the split's business, so name it: a batch padded at
+  its end (real rows first, as ``np.pad`` gives) needs ``split="contiguous"``; the strided
+  split runs rows ``r`` with ``r % k < n`` (a layout made for it, as
+  `privacy.PoissonSampler`'s default). Left at its default, the split raises here, naming
+  both (except for a private function with a mask, whose real rows are checked instead).
+  "mean" and "sum" cover the real micro-batches only, "last" and the state come from the last
+  real one, and "concat"/"stack" entries of the others are zeros. With ``n = 0`` nothing runs:
+  "mean" and "sum" give zeros (as all-zero weights do) and the state comes back as given.
 
   Args:
     fun: the function to run per micro-batch, e.g. ``jax.value_and_grad(loss, has_aux=True)``.
@@ -314,8 +339,9 @@ def microbatch(
       `state_argnums`.
     accum_dtype: the dtype in which floating "mean"/"sum" outputs are accumulated; None means
       each output's own dtype.
-    split: "strided" (micro-batch ``i`` takes rows ``i, i+k, …``; keeps the batch sharding) or
-      "contiguous" (consecutive blocks of ``B/k`` rows).
+    split: "strided" (the default: micro-batch ``i`` takes rows ``i, i+k, …``; keeps the
+      batch sharding) or "contiguous" (consecutive blocks of ``B/k`` rows). With
+      `num_real_microbatches` give it explicitly (see "A padded batch" above).
     skip_nonfinite: True: drop a micro-batch whose "mean" or "sum" outputs hold a NaN or ±Inf
       (see above). An int ``j`` (the output's ``j``-th entry, e.g. 1 for `jax.value_and_grad`'s
       gradient) or a selector ``lambda out: out[1]`` (as `state_out`): only those outputs
@@ -386,13 +412,14 @@ def microbatch(
 
   Raises:
     TypeError, ValueError: here, for a bad `num_microbatches`/`microbatch_size` (or both, or
-      neither), argnums, argnames, `batch_axes`, `num_real_microbatches`, `reduction`,
-      `split`, `weight_fn` or `unroll`; at trace time, for `unroll` other than 1 with a traced
-      `num_real_microbatches`, for a batch size not divisible by ``k`` (or
-      `microbatch_size`), batch arguments that disagree on the batch size, positions out of
-      range, a missing keyword batch argument, a `reduction` that does not fit the output, a
-      "concat" output without one row per example, a host weight from `weight_fn` that is
-      invalid, or a `state_out` that does not select output leaves.
+      neither), argnums, argnames, `batch_axes`, `num_real_microbatches` (also: given with
+      `split` left at its default), `reduction`, `split`, `weight_fn` or `unroll`; at trace
+      time, for `unroll` other than 1 with a traced `num_real_microbatches`, for a batch size
+      not divisible by ``k`` (or `microbatch_size`), batch arguments that disagree on the
+      batch size, positions out of range, a missing keyword batch argument, a `reduction`
+      that does not fit the output, a "concat" output without one row per example, a host
+      weight from `weight_fn` that is invalid, or a `state_out` that does not select output
+      leaves.
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> def loss(w, x):
@@ -407,9 +434,12 @@ def microbatch(
 
   >>> @jax.jit
   ... def padded_step(w, x, n):
-  ...   return optax_accum.microbatch(jax.value_and_grad(loss), 4, num_real_microbatches=n)(w, x)
-  >>> value, grad = padded_step(w, x, 2)  # micro-batches 0 and 1: rows 0, 1, 4, 5
-  >>> bool(jnp.allclose(value, loss(w, x[jnp.array([0, 1, 4, 5])])))
+  ...   f = optax_accum.microbatch(
+  ...     jax.value_and_grad(loss), 4, split="contiguous", num_real_microbatches=n
+  ...   )
+  ...   return f(w, x)
+  >>> value, grad = padded_step(w, x, 2)  # micro-batches 0 and 1: rows 0 to 3, real rows first
+  >>> bool(jnp.allclose(value, loss(w, x[:4])))
   True
   """
   pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, rng_argnums, state_argnums)
@@ -427,11 +457,13 @@ def microbatch(
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
   k, size = _check_sizes(num_microbatches, microbatch_size)
   keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, in_shardings)
+  num_real = check_num_real(num_real_microbatches, k)
+  _check_split(fun, split, num_real, k)
   opts = _scan.Options(
     fun=fun,
     k=k,
     microbatch_size=size,
-    num_real=check_num_real(num_real_microbatches, k),
+    num_real=num_real,
     positions=pos,
     reduction=_outputs.check_reduction(reduction),
     weight_fn=weight_fn,
@@ -491,6 +523,21 @@ def _private_options(
   if dtype is not None and _checks.narrow_float(dtype):
     _checks.refuse_private("accum_dtype", "microbatch", dtype=dtype.name)
   return reduction, False
+
+
+def _check_split(fun: Any, split: Any, num_real: Any, k: int | None) -> None:
+  """Raises `PADDED_SPLIT` for `num_real_microbatches` with the default split, where the
+  batch's layout decides which rows run and nothing says it: not with one micro-batch, nor a
+  count of all of them, nor for a private function with a mask (its real rows are checked
+  against the split: `_misplaced_rows`)."""
+  if num_real is None or not isinstance(split, _DefaultSplit) or k == 1:
+    return
+  if isinstance(num_real, int) and num_real == k:
+    return
+  if _checks.private_mask_argnum(fun) is not None:
+    return
+  n = num_real if isinstance(num_real, int) else "n"
+  raise ValueError(PADDED_SPLIT.format(n=n))
 
 
 def _check_noise(value: Any) -> Any:

@@ -15,6 +15,9 @@ application real memory passes and on GPU makes the host wait for the predicate
   compiled once (two programs compile in about the time of the protocol path's one), for one
   more dispatch per window. With every_k = 1 (no accumulator) one program does
   ``grad → add → close_window → advance``;
+* for a small model (`FUSED_EMIT_MAX_OPS`: compiling the backward pass twice is cheap), the
+  emitting program instead of the closing one: ``grad → add → close_window → advance``, one
+  dispatch per micro-step;
 * with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
   all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
   that leaf only (`_close_leafwise`), so XLA's scheduler can start it while the backward pass
@@ -28,6 +31,7 @@ and keeps the window position on the host, so dispatch never waits for the devic
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -51,6 +55,18 @@ _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or retu
 # call, and XLA:CPU's temporaries are one allocation; below it the buffer saves nothing, and its
 # arrays cost every call a dispatch per leaf (in and out).
 GRAD_BUFFER_BYTES = 32 * 2**20
+
+# Without `axis_name`: where compiling the backward pass twice is cheap, the emitting micro-step
+# runs one program (grad → add → close, `_step(emit=True)`) instead of the accumulating program
+# and then the closing one: one dispatch fewer per window (on CPU ~60 µs for a small model's
+# parameters and Adam state, 1/3 of the optax notebook MLP's micro-step), for a second compiled
+# backward pass. Cheap means a small accumulating program, by its lowered size: at most this many
+# operations (`_ops`), and parameters below `GRAD_BUFFER_BYTES`, where a micro-step's own work is
+# small enough for a dispatch to show. Measured (`benchmarks/small_models.py`, CPU seconds to
+# compile the accumulating program): the notebook MLP's 325 operations 0.7 s, the two CNNs' 370
+# 1.1-1.4 s, the two transformers' 1053 1.9-2.4 s; the 10M-parameter MLP of `benchmarks/_cross.py`
+# (about 330 operations, 40 MB of parameters) keeps two programs, and its compile time.
+FUSED_EMIT_MAX_OPS = 400
 
 # With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
 # all-reduces the window leaf by leaf (True), or the accumulating program and then the closing
@@ -180,6 +196,33 @@ def _check_live(params: Any, state: Any) -> None:
         )
 
 
+def _distinct(params: Any, state: Any) -> tuple[Any, Any]:
+  """`params` and `state` with no two arrays sharing a buffer: a leaf whose buffer an earlier
+  leaf already holds is replaced by a copy. Aliases are common in what users pass
+  (``optax.LookaheadParams.init_synced(params)``, whose slow weights *are* its fast weights;
+  one ``jnp.zeros`` reused for two biases; an optimizer state holding the parameters), and
+  XLA refuses to donate one buffer twice, or to read a buffer it was donated, only once the
+  call has started, after it has deleted some of the other donated arrays. Run for trees
+  this object did not make (the programs' outputs never alias), so a call costs nothing."""
+  leaves, tree = jax.tree.flatten((params, state))
+  seen: set[tuple] = set()
+  out, copied = [], False
+  for x in leaves:
+    if _kind(type(x)) == 2 and not x.is_deleted():  # a deleted one: `_check_live` names it
+      buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+      if buffers & seen:
+        x, copied = jax.device_put(x, x.sharding, may_alias=False), True
+        buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+      seen |= buffers
+    out.append(x)
+  return jax.tree.unflatten(tree, out) if copied else (params, state)
+
+
+def _ops(lowered: Any) -> int:
+  """The operations of a lowered program (StableHLO): what compiling it costs."""
+  return len(re.findall(r"^\s*%\S+ = ", lowered.as_text(), flags=re.M))
+
+
 def _hollow(inner_state: Any) -> Any:
   """The inner state's tree with no arrays (every leaf None): what the accumulating program
   takes of it. It never reads the inner state, and every array passed in and handed back
@@ -208,6 +251,9 @@ class TrainStep:
   is compiled once, at the price of one more dispatch per window (every_k=1: one program).
   With `axis_name` the window's last call instead runs one emitting program (gradient → add →
   all-reduce leaf by leaf → update → apply), so the reduction can overlap the backward pass.
+  So does a small model (a small accumulating program: compiling the backward pass twice is
+  cheap, and a dispatch is a large part of its micro-step), decided once, from the first
+  programs' lowered size; the choice changes no result, bit for bit.
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -385,13 +431,17 @@ class TrainStep:
     # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
     # window it reduces leaf by leaf (`_close_leafwise`); with skip_nonfinite="window" and the
     # noise statistics, which it reads from the window's last gradient
-    # (`_accumulate.sampled_sq_norm`). Fixed here, for the programs' whole life.
+    # (`_accumulate.sampled_sq_norm`); and for a small model (`FUSED_EMIT_MAX_OPS`), decided once,
+    # when the first programs are lowered (`_choose_emitting`).
     self._leafwise = axis.stacks and OVERLAP_WITH_AXIS
     sampled = self._cfg.window_check and self._cfg.noise
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
+    self._chosen = self._fused_emit or axis.stacks  # whether `_choose_emitting` has decided
     self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_signature`
+    self._pair: Any = None  # its programs, `_compiled[_key]`
     self._hollows: dict[Any, Any] = {}  # `_hollow` by the inner state's tree structure
+    self._hollow_of: tuple = (None, None)  # the last inner state and its `_hollow`
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
     # for parameters placed on a mesh (the accumulator sharded like them).
@@ -400,11 +450,15 @@ class TrainStep:
     # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
+    self._last_params: Any = None  # the parameters the last call returned
+    self._arrays = True  # whether every leaf of those parameters is an array (`_all_arrays`)
+    self._donates = donate
     # FSDP: what stays unsharded for a window, with programs of its own (`_fsdp_train_step`).
     self._fsdp = None
     if keep_unsharded is not None:
       self._fsdp = FsdpSteps(self, keep_unsharded)
       self.tx = self._fsdp.tx
+      self._chosen = True  # (its programs are its own: no emitting program to choose)
 
   def _jit(self, out_shardings: Any = None) -> dict[bool, Any]:
     """The two programs, by `emit`: the accumulating one (False) and the emitting one (True):
@@ -452,6 +506,7 @@ class TrainStep:
       self._pinned = True
       specs = self._mesh_state_shardings(params)
       if specs is not None:
+        self._chosen = True  # parameters on a mesh: the programs' shardings pinned as they are
         shardings, state = specs
         hollow = state._replace(inner_state=None)
         emitting = (shardings, state, None, None) if self._fused_emit else (shardings, state)
@@ -621,7 +676,7 @@ class TrainStep:
     axis = cfg.axis
     # acc + w·g: without the finite check (the weight's own check is a scalar)
     optimistic = _accumulate.add(cfg._replace(skip_nonfinite=False), grads, state, weight)[0]
-    sums = axis.reduce_leaves(optimistic)
+    sums = axis.reduce_leaves(_accumulate.reduced_sums(cfg, optimistic))
     local = window.noise
     partials = () if local is None else _noise.partials(local)
     # (one all-reduce: the drop count as float32, like the total)
@@ -631,7 +686,7 @@ class TrainStep:
 
       def checked(operands):
         g, s, w, _ = operands
-        return axis.reduce_leaves(_accumulate.add(cfg, g, s, w)[0])
+        return axis.reduce_leaves(_accumulate.reduced_sums(cfg, _accumulate.add(cfg, g, s, w)[0]))
 
       operands = (grads, added, weight, sums)
       sums = _collectives.cond(drops > 0, checked, lambda ops: ops[-1], operands)
@@ -716,12 +771,19 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
-    arrays = _all_arrays(params, state)
-    if self._position is None or state is not self._last_state:
+    fresh = state is not self._last_state  # a state this object did not make
+    if fresh or params is not self._last_params:
+      self._arrays = _all_arrays(params, state)
+    arrays = self._arrays  # (what the last call returned is alive, its kinds of leaves known)
+    if self._position is None or fresh:
       self._read_position(params, state, args)
+    if self._donates and (fresh or params is not self._last_params):
+      params, state = _distinct(params, state)  # never one buffer donated twice
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
+    if not self._chosen:  # the first call: the programs compiled, the emitting one chosen
+      self.compile(params, state, *args, weight=weight)
     hidden = params if arrays else _batch.hide_static(params)
     hidden, state, self._grad_buffer, value = self._dispatch(
       emit, hidden, state, self._buffer(hidden, args), args, weight
@@ -731,7 +793,7 @@ class TrainStep:
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
-    self._last_state = state
+    self._last_state, self._last_params = state, params
     return params, state, value
 
   def _read_position(self, params: Any, state: Any, args: tuple) -> None:
@@ -740,6 +802,7 @@ class TrainStep:
     call is dispatched without waiting for the device."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, state, args))):
       raise TypeError(INSIDE_JIT)
+    _accumulate.check_state(state, "TrainStep")
     _check_live(params, state)
     position, window_k = jax.device_get((state.mini_step, state.window_k))
     self._position = int(position)
@@ -773,11 +836,15 @@ class TrainStep:
     return params, state, grad_buffer, value
 
   def _hollow(self, inner_state: Any) -> Any:
-    """`_hollow` of the inner state, made once per tree structure."""
+    """`_hollow` of the inner state, made once per tree structure (and not looked up again for
+    the inner state of the last call: the accumulating calls of a window pass the same one)."""
+    if inner_state is self._hollow_of[0]:
+      return self._hollow_of[1]
     tree = jax.tree.structure(inner_state)
     hollow = self._hollows.get(tree)
     if hollow is None:
       hollow = self._hollows[tree] = _hollow(inner_state)
+    self._hollow_of = (inner_state, hollow)
     return hollow
 
   def _first(self, program: bool, operands: tuple, state: Any) -> Any:
@@ -789,7 +856,7 @@ class TrainStep:
     params, _, grad_buffer, args, weight = operands
     if self._key is not None:
       try:
-        return self._compiled[self._key][program](*operands)
+        return self._pair[program](*operands)  # (`_compiled[_key]`, without hashing the key)
       except (TypeError, ValueError, RuntimeError) as e:
         # A deleted array (RuntimeError with several devices), other micro-batch types
         # (looked up below), or a refusal that `_run` explains. Any other RuntimeError came
@@ -800,7 +867,7 @@ class TrainStep:
     key = _signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    self._key = key
+    self._key, self._pair = key, self._compiled[key]
     return self._run(key, program, *operands)
 
   def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
@@ -827,12 +894,31 @@ class TrainStep:
     """Both programs for these arguments: traced one after the other, compiled concurrently
     (XLA compiles without holding Python's lock). That helps where cores are free: XLA:CPU
     already spreads one compile over two cores. What makes the pair cheap is the closing
-    program, which compiles no backward pass."""
-    emits = (True,) if self._cfg.unaccumulated else (False, True)
-    lowered = {e: self._lower(e, params, state, grad_buffer, args, weight) for e in emits}
+    program, which compiles no backward pass (or, for a small model, `_choose_emitting`)."""
+    if self._cfg.unaccumulated:
+      lowered = {True: self._lower(True, params, state, grad_buffer, args, weight)}
+    else:
+      accumulating = self._lower(False, params, state, grad_buffer, args, weight)
+      self._choose_emitting(accumulating, params)
+      emitting = self._lower(True, params, state, grad_buffer, args, weight)
+      lowered = {False: accumulating, True: emitting}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
+
+  def _choose_emitting(self, accumulating: Any, params: Any) -> None:
+    """Decides, once, whether the emitting micro-step runs one program (grad → add → close)
+    rather than the accumulating program and the closing one: for a small model, where
+    compiling the backward pass twice is cheap (`FUSED_EMIT_MAX_OPS`; `accumulating`: the
+    lowered accumulating program)."""
+    if self._chosen:
+      return
+    self._chosen = True
+    arrays = jax.tree.leaves(_batch.none_for_static(params))
+    nbytes = sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays)
+    if nbytes < GRAD_BUFFER_BYTES and _ops(accumulating) <= FUSED_EMIT_MAX_OPS:
+      self._fused_emit = True
+      self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
   def compile(self, params, state, *args, weight=None) -> TrainStep:
     """Compiles both programs now, concurrently, for arguments like these (else the first call
@@ -864,8 +950,9 @@ class TrainStep:
     buffer = self._grad_buffer
     if buffer is None:
       buffer = self._buffer_types(params, args)
-    self._key = _signature(args, weight)
-    self._compiled[self._key] = self._compile_both(params, state, buffer, args, weight)
+    key = _signature(args, weight)
+    self._compiled[key] = self._compile_both(params, state, buffer, args, weight)
+    self._key, self._pair = key, self._compiled[key]
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
@@ -873,8 +960,9 @@ class TrainStep:
     ``emit=False`` the accumulating program; ``emit=True`` the closing program, which takes
     ``(params, state)`` only: the emitting step runs the accumulating program, then this one
     (with every_k = 1 either gives the one program, which adds and closes each window). With
-    `axis_name`, ``emit=True`` gives the emitting program, which takes a micro-batch like the
-    accumulating one: it computes the last gradient and all-reduces the window leaf by leaf.
+    `axis_name`, or for a small model (`FUSED_EMIT_MAX_OPS`), ``emit=True`` gives the emitting
+    program, which takes a micro-batch like the accumulating one: it computes the last
+    gradient, adds it and closes the window (with `axis_name`, all-reducing it leaf by leaf).
     With `keep_unsharded`, the accumulating program as a window's calls run it (on the held
     whole copy, except with "nothing"), or the closing program."""
     if self._fsdp is not None:  # FSDP: the accumulating or the closing program
@@ -884,6 +972,8 @@ class TrainStep:
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = self._buffer_types(params, args)
+    if emit and not self._chosen:
+      self._choose_emitting(self._lower(False, params, state, grad_buffer, args, weight), params)
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):

@@ -1,4 +1,5 @@
-"""Test configuration: 8 host CPU devices for the multi-device tests, and a quiet session end.
+"""Test configuration: 8 host CPU devices for the multi-device tests, and a quiet end (a
+finished session, or Ctrl-C).
 
 `XLA_FLAGS` must be set before JAX initialises its backends; the README's test command sets it,
 and this file sets it too so that `pytest tests/test_x.py` alone behaves the same.
@@ -6,6 +7,7 @@ and this file sets it too so that `pytest tests/test_x.py` alone behaves the sam
 
 import gc
 import os
+import signal
 
 import pytest
 
@@ -39,3 +41,24 @@ def _each_test_is_its_own_run():
   from optax_accum.privacy import _noise  # noqa: PLC0415 (after XLA_FLAGS is set)
 
   _noise._DRAWN.clear()
+
+
+def pytest_configure(config):
+  """Under pytest-xdist, Ctrl-C is the controller's alone: a worker ignores SIGINT.
+
+  The terminal sends SIGINT to every process of the run. In a worker it raised
+  KeyboardInterrupt wherever the worker was, often inside JAX's garbage-collection callback
+  (`_xla_gc_callback`), where Python can only print it and go on: each worker then printed
+  its tracebacks, reported as warnings, and ran on; an interrupted run could end in hundreds
+  of lines. Ignored there, the controller stops the run (its own few lines) and shuts the
+  workers down: a worker lets its current test finish, or is ended 15 s later by execnet.
+  """
+  if hasattr(config, "workerinput"):  # an xdist worker (not a session such a worker starts)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def pytest_keyboard_interrupt(excinfo):
+  """After the first Ctrl-C, a second one ends the run at once, with no traceback (while the
+  workers finish their current test)."""
+  del excinfo
+  signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -147,31 +147,59 @@ def test_accumulate_matches_large_batch_without_jit():
   chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
-@hypothesis.settings(max_examples=4, deadline=None, derandomize=True)
+def check_large_batch_property(k, b, d_in, hidden, seed, weights):
+  """Two windows of k micro-batches of b rows, micro-batch i of each window weighing
+  ``b·weights[i]`` (its rows' weights: the large batch's loss is the mean over its rows weighted
+  so), against one SGD-with-momentum step per large batch. SGD with momentum: linear in the
+  gradient, so any shape/seed stays within rounding (Adam's g/sqrt(v) can turn a rounding-size
+  gradient component into a full step of either sign)."""
+  params = ref.mlp_params(seed, (d_in, hidden, 2))
+  data = ref.regression_data(seed + 1, 2 * k * b, d_in=d_in)
+  rows = np.repeat(np.asarray(weights, np.float32), b)  # micro-batch i's rows weigh weights[i]
+  data["mask"] = np.tile(rows, 2)  # mlp_loss: the mean weighted by the mask
+  big = ref.split(data, 2)
+  mbs = micro(big, k)
+  inner = optax.sgd(0.05, momentum=0.9)
+  extra = [{"weight": np.float32(mb["mask"].sum())} for mb in mbs]  # below 1 when b·wᵢ is
+
+  @jax.jit  # both runs in one program: one compilation per example
+  def both(params, big, mbs, extra):
+    want, _ = ref.run_steps(inner, params, ref.mlp_loss, big, scan=True)
+    got, state = ref.run_steps(
+      accumulate(inner, k), params, ref.mlp_loss, mbs, scan=True, extra_args=extra
+    )
+    return want, got, state.gradient_step
+
+  want, got, gradient_step = both(params, big, mbs, extra)
+  chex.assert_trees_all_close(got, want, **ref.TOL)
+  assert int(gradient_step) == 2
+
+
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
 @hypothesis.given(
   k=st.integers(1, 4),
   b=st.integers(1, 3),
   d_in=st.integers(1, 4),
   hidden=st.integers(1, 5),
   seed=st.integers(0, 2**16),
+  # fractional weights (a token weight, a sampling rate), below 1 included, as their total may be
+  weights=st.lists(st.floats(0.0625, 2.0, width=32), min_size=4, max_size=4),
 )
-def test_accumulate_matches_large_batch_property(k, b, d_in, hidden, seed):
-  # SGD with momentum: linear in the gradient, so any shape/seed stays within rounding (Adam's
-  # g/sqrt(v) can turn a rounding-size gradient component into a full step of either sign).
-  params = ref.mlp_params(seed, (d_in, hidden, 2))
-  data = ref.regression_data(seed + 1, 2 * k * b, d_in=d_in)
-  big = ref.split(data, 2)
-  inner = optax.sgd(0.05, momentum=0.9)
+def test_accumulate_matches_large_batch_property(k, b, d_in, hidden, seed, weights):
+  check_large_batch_property(k, b, d_in, hidden, seed, weights[:k])
 
-  @jax.jit  # both runs in one program: one compilation per example
-  def both(params, big, mbs):
-    want, _ = ref.run_steps(inner, params, ref.mlp_loss, big, scan=True)
-    got, state = ref.run_steps(accumulate(inner, k), params, ref.mlp_loss, mbs, scan=True)
-    return want, got, state.gradient_step
 
-  want, got, gradient_step = both(params, big, micro(big, k))
-  chex.assert_trees_all_close(got, want, **ref.TOL)
-  assert int(gradient_step) == 2
+def test_large_batch_property_mutation_control(monkeypatch):
+  # The core's `total > 0` guard written as maximum(total, 1) (issue 42): a wrong mean whenever a
+  # window weighs less than 1. The property check must catch it on one such example.
+  normalise = optax_accum._core.normalise
+  monkeypatch.setattr(
+    optax_accum._core,
+    "normalise",
+    lambda sums, total, like, r: normalise(sums, jnp.maximum(total, 1.0), like, r),
+  )
+  with pytest.raises(AssertionError):
+    check_large_batch_property(2, 1, 3, 4, 0, [0.1, 0.3])
 
 
 # ----------------------------------------------------------------------------------------------

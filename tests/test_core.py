@@ -190,6 +190,108 @@ def test_normalise_integer_mean_stays_float():
 
 
 # ----------------------------------------------------------------------------------------------
+# The weighted mean on values no dtype holds exactly, and the slips it must catch.
+#
+# Each check runs on the core and, in `test_core_mutation_controls`, on mutants of it: a slip
+# that a check lets through shows up there as a mutant that passes.
+
+# Weights below 1 (fractional token weights): their total, 0.65, is below 1 too; 0.1 and 0.3
+# are not binary fractions. Values: standard normal float32 (no bfloat16 or float16 holds them).
+FRACTIONAL = [0.1, 0.25, 0.3]
+
+
+def check_weighted_mean(add=_core.add, normalise=_core.normalise):
+  """Σ wᵢ xᵢ / Σ wᵢ of float32 values against float64, in one jitted scan of `add`, then
+  `normalise`. float32 rounds each of the 3 products, 2 sums and the scaled mean once: a few
+  ulp (1.2e-7 relative) of values O(1)."""
+  trees = [ref.mlp_params(seed, (3, 4)) for seed in range(len(FRACTIONAL))]
+  stacked = jax.tree.map(lambda *xs: np.stack(xs), *trees)
+
+  @jax.jit
+  def run(stacked, weights):
+    def body(carry, xs):
+      sums, total, _ = add(*carry, *xs, skip_nonfinite=True)
+      return (sums, total), None
+
+    sums = _core.zeros(trees[0], F32)
+    (sums, total), _ = lax.scan(body, (sums, jnp.zeros((), F32)), (stacked, weights))
+    return normalise(sums, total, trees[0], "mean")
+
+  got = run(stacked, np.asarray(FRACTIONAL, np.float32))
+  w = np.asarray(FRACTIONAL, np.float32).astype(np.float64)  # the weights the core is given
+  want = jax.tree.map(lambda *xs: sum(wi * x for wi, x in zip(w, xs, strict=True)) / w.sum(),
+                      *float64(trees))  # fmt: skip
+  chex.assert_trees_all_close(got, want, rtol=5e-7, atol=3e-7)
+
+
+def test_weighted_mean_of_inexact_values_with_weights_below_one():
+  check_weighted_mean()
+
+
+def check_dropped_is_selected(add=_core.add):
+  """A dropped micro-batch (a NaN in it) and one of weight 0 leave the sums exactly as the others
+  make them (selected away: ``0 * nan`` is nan)."""
+  good, bad = tree_of(1), tree_of(2)
+  bad["b0"][1] = math.nan
+  sums = _core.zeros(good, F32)
+  for skip in (True, False):
+    got, total, _ = add(sums, jnp.zeros((), F32), good, 0.5, skip_nonfinite=skip)
+    got, total, _ = add(got, total, bad, 0.0 if not skip else 2.0, skip_nonfinite=skip)
+    want, _, _ = add(sums, jnp.zeros((), F32), good, 0.5, skip_nonfinite=skip)
+    chex.assert_trees_all_equal(got, want)
+    assert float(total) == 0.5
+
+
+def test_dropped_and_zero_weight_micro_batches_add_exact_zeros():
+  check_dropped_is_selected()
+
+
+def _mean_guarded_by_one(sums, total, like, reduction):
+  """The slip of issue 42: ``maximum(total, 1)`` for the ``total > 0`` guard, right for integer
+  counts, a wrong mean for any window whose weight is below 1."""
+  return _core.normalise(sums, jnp.maximum(total, 1.0), like, reduction)
+
+
+def _mean_of_means(sums, total, like, reduction):
+  """Levanter's slip: the mean over micro-batches (their count, here 3) instead of their
+  weight."""
+  del total
+  return _core.normalise(sums, jnp.float32(len(FRACTIONAL)), like, reduction)
+
+
+def _add_multiplying(sums, total, tree, weight, **kw):
+  """A drop by multiplying by 0 instead of selecting (``0 * nan`` is nan)."""
+  w = jnp.asarray(1.0 if weight is None else weight, F32)
+  keep = _core.all_finite(tree) if kw["skip_nonfinite"] else jnp.asarray(True)
+  w = w * keep
+  sums = jax.tree.map(lambda s, x: s + w * x, sums, tree)
+  return sums, total + w, jnp.logical_not(keep)
+
+
+def _add_in_bfloat16(sums, total, tree, weight, **kw):
+  """Each product rounded to bfloat16 before the add: exact for the bfloat16 values the older
+  tests used, off for float32 values."""
+  tree = jax.tree.map(lambda x: (x * weight).astype(BF16).astype(F32) / weight, tree)
+  return _core.add(sums, total, tree, weight, **kw)
+
+
+@pytest.mark.parametrize(
+  "check, mutant",
+  [
+    (lambda: check_weighted_mean(normalise=_mean_guarded_by_one), "maximum(total, 1)"),
+    (lambda: check_weighted_mean(normalise=_mean_of_means), "mean of means"),
+    (lambda: check_weighted_mean(add=_add_in_bfloat16), "bfloat16 products"),
+    (lambda: check_dropped_is_selected(add=_add_multiplying), "0 * nan"),
+  ],
+  ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_core_mutation_controls(check, mutant):
+  # Each mutant must fail the check that guards against it.
+  with pytest.raises(AssertionError):
+    check()
+
+
+# ----------------------------------------------------------------------------------------------
 # bf16 gradients into an fp32 accumulator
 
 

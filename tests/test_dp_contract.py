@@ -1012,8 +1012,17 @@ def test_train_step_finds_dp_noise_at_init_whatever_the_loss():
 def test_a_path_without_dp_noise_or_clipping_keeps_every_option():
   """The contract binds private paths only: the same options elsewhere are untouched."""
   tx = oa.accumulate(optax.sgd(1.0), STEPS, noise_scale=True)
-  tx.update(P0, tx.init(P0), P0, weight=2.0)
-  oa.microbatch(jax.grad(loss), STEPS, weight_fn=lambda p, x, y: 1.0, noise_scale=0)
+  _, state = tx.update(P0, tx.init(P0), P0, weight=2.0)
+  assert float(state.acc_weight) == 2.0 and int(state.noise.count) == 1  # weighed and measured
+  step = oa.microbatch(
+    jax.grad(loss), STEPS, batch_argnums=(1, 2), weight_fn=lambda p, x, y: 1.0,
+    noise_scale=lambda out: out,
+  )  # fmt: skip
+  grads, info = step(P0, X, Y)  # a sum loss: each micro-batch's sum, averaged (equal weights)
+  whole = jax.grad(loss)(P0, X, Y)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(whole), strict=True):
+    np.testing.assert_allclose(got, want / STEPS, rtol=1e-5, atol=1e-5)
+  assert float(info.total_weight) == STEPS and info.noise is not None
 
 
 def test_private_recognition_is_one_way_and_sees_through_wrappers():

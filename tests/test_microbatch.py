@@ -74,6 +74,37 @@ def test_microbatch_weight_fn_gives_global_token_mean(split):
   assert ref.max_abs_diff(plain[1], want[1]) > 0.05
 
 
+def _token_share(params, batch):
+  """A micro-batch's share of the batch's 16 · 7 token positions: weights below 1 whose total
+  (58/112 here) is below 1 too."""
+  return ref.token_count(batch) / 112.0
+
+
+def _check_token_share_mean():
+  batch = _tokens()
+  got = jax.jit(microbatch(_VG, 4, weight_fn=_token_share))(TOKEN_PARAMS, batch)
+  chex.assert_trees_all_close(got, _VG_JIT(TOKEN_PARAMS, batch), **TOL)
+
+
+def test_microbatch_weights_below_one_give_the_global_token_mean():
+  # The weighted mean does not depend on the weights' scale: shares of the batch give the
+  # global token mean too, dividing by a total below 1.
+  _check_token_share_mean()
+
+
+def test_microbatch_weights_below_one_mutation_control(monkeypatch):
+  # Issue 42: `maximum(total, 1)` for the core's `total > 0` guard passed this file's other
+  # tests; the check above must fail on it.
+  normalise = optax_accum._core.normalise
+  monkeypatch.setattr(
+    optax_accum._core,
+    "normalise",
+    lambda sums, total, like, r: normalise(sums, jnp.maximum(total, 1.0), like, r),
+  )
+  with pytest.raises(AssertionError):
+    _check_token_share_mean()
+
+
 def _stats(params, batch):
   """A loss, and two counts of the micro-batch: real tokens (float) and long rows (int)."""
   return ref.mlp_loss(params, batch), ref.token_count(batch), jnp.sum(batch["mask"][:, 1] > 0)
@@ -488,7 +519,7 @@ def test_microbatch_traced_count_program_size_independent_of_k():
 
   def text(k):
     vg = jax.value_and_grad(_deep_loss)
-    f = jax.jit(lambda w, x, n: microbatch(vg, k, num_real_microbatches=n)(w, x))
+    f = jax.jit(lambda w, x, n: microbatch(vg, k, split="strided", num_real_microbatches=n)(w, x))
     return f.lower(w, x, n).as_text()
 
   def ops(t):

@@ -84,14 +84,16 @@ def test_microbatch_traced_num_real_compiles_once_for_every_count(split):
 def test_microbatch_num_real_device_array_without_jit():
   batch = _data()
   for n in (0, 2):
-    step = microbatch(_VG, K, num_real_microbatches=jnp.int32(n))
+    step = microbatch(_VG, K, split="strided", num_real_microbatches=jnp.int32(n))
     chex.assert_trees_all_close(step(PARAMS, batch), _want(PARAMS, batch, n, "strided"), **TOL)
 
 
 def test_microbatch_num_real_with_microbatch_size():
   batch = _data()
   step = jax.jit(
-    lambda p, b, n: microbatch(_VG, microbatch_size=B // K, num_real_microbatches=n)(p, b)
+    lambda p, b, n: microbatch(
+      _VG, microbatch_size=B // K, split="strided", num_real_microbatches=n
+    )(p, b)
   )
   chex.assert_trees_all_close(step(PARAMS, batch, 3), _want(PARAMS, batch, 3, "strided"), **TOL)
 
@@ -107,7 +109,8 @@ def test_microbatch_num_real_with_weight_fn_is_token_mean_of_real_examples():
   @jax.jit
   def step(params, batch, n):
     weight_fn = lambda p, b: ref.token_count(b)  # noqa: E731
-    return microbatch(_VG, K, weight_fn=weight_fn, num_real_microbatches=n)(params, batch)
+    step = microbatch(_VG, K, weight_fn=weight_fn, split="strided", num_real_microbatches=n)
+    return step(params, batch)
 
   for n in (1, 3):
     want = _VG_JIT(params, _rows(batch, _real_rows(n, "strided")))
@@ -127,6 +130,7 @@ def test_microbatch_num_real_keys_are_those_of_the_first_micro_batches():
       batch_argnums=0,
       rng_argnums=1,
       reduction=("concat", "stack"),
+      split="strided",
       num_real_microbatches=n,
     )(x, key)
   )
@@ -174,7 +178,12 @@ def test_microbatch_num_real_concat_rows_not_run_are_zeros():
   # As optax.microbatching documents: 12 rows, 4 per micro-batch, 2 real -> 6 non-zero rows.
   x = jnp.arange(12.0) + 1
   got = microbatch(
-    lambda x: x, microbatch_size=3, batch_argnums=0, reduction="concat", num_real_microbatches=2
+    lambda x: x,
+    microbatch_size=3,
+    batch_argnums=0,
+    reduction="concat",
+    split="strided",
+    num_real_microbatches=2,
   )(x)
   want = np.where(np.arange(12) % 4 < 2, np.asarray(x), 0.0)  # strided: rows i + 4j, i < 2
   chex.assert_trees_all_equal(got, want)
@@ -191,6 +200,7 @@ def test_microbatch_num_real_zero_gives_zero_means_and_sums():
     4,
     batch_argnums=0,
     reduction=("mean", "sum"),
+    split="strided",
     num_real_microbatches=0,
   )
   assert got(x) == (1.0, 16)
@@ -213,7 +223,8 @@ def test_microbatch_num_real_with_axis_name(per_device):
   counts = np.array([0, 1, 2, 3, 4, 4, 2, 1]) if per_device else np.full(8, 3)
 
   def step(params, batch, n):
-    return microbatch(_VG, K, num_real_microbatches=n[0], axis_name="d")(params, batch)
+    step = microbatch(_VG, K, split="strided", num_real_microbatches=n[0], axis_name="d")
+    return step(params, batch)
 
   # The count is replicated (one value, P()) or sharded (one value per device).
   spec = P("d") if per_device else P()
@@ -306,8 +317,10 @@ def _while_lines(compiled_text):
 @pytest.mark.structure
 def test_microbatch_traced_num_real_is_a_loop_with_data_dependent_trip_count():
   batch = _data()
-  static = jax.jit(microbatch(_VG, K, num_real_microbatches=3))
-  traced = jax.jit(lambda p, b, n: microbatch(_VG, K, num_real_microbatches=n)(p, b))
+  static = jax.jit(microbatch(_VG, K, split="strided", num_real_microbatches=3))
+  traced = jax.jit(
+    lambda p, b, n: microbatch(_VG, K, split="strided", num_real_microbatches=n)(p, b)
+  )
   # The traced program: a while loop (no scan), whose trip count XLA cannot know.
   jaxpr = str(jax.make_jaxpr(traced)(PARAMS, batch, 2))
   assert "while[" in jaxpr and "scan[" not in jaxpr
@@ -342,7 +355,10 @@ def test_microbatch_rejects_bad_num_real(n, error, match):
 
 
 def test_microbatch_rejects_num_real_above_k_from_microbatch_size():
-  f = microbatch(lambda x: jnp.sum(x), microbatch_size=4, batch_argnums=0, num_real_microbatches=3)
+  f = microbatch(
+    lambda x: jnp.sum(x), microbatch_size=4, batch_argnums=0, split="strided",
+    num_real_microbatches=3,
+  )  # fmt: skip
   assert f(jnp.ones(12)) == 4.0  # k = 3: fine
   with pytest.raises(ValueError, match=r"num_real_microbatches=3 is more than the 2 micro-batches"):
     f(jnp.ones(8))

@@ -150,10 +150,10 @@ def test_plan_reads_keyword_batch_along_its_axis():
 
 
 def test_plan_with_num_real_microbatches_only_tries_k_that_holds_them():
-  plan = plan_microbatches(_VG, W, X, memory_limit=2**40, num_real_microbatches=3)
+  plan = plan_microbatches(_VG, W, X, memory_limit=2**40, split="strided", num_real_microbatches=3)
   assert plan.num_microbatches == 4  # the smallest divisor of 2048 that holds 3 micro-batches
   assert list(plan.peak_bytes) == [4]
-  assert plan.peak_bytes[4] == _peak(4, num_real_microbatches=3)
+  assert plan.peak_bytes[4] == _peak(4, split="strided", num_real_microbatches=3)
 
 
 @pytest.mark.parametrize(

@@ -213,13 +213,16 @@ def test_noise_sq_norm_of_sharded_leaves_gathers_nothing():
   assert seen == [True, True, False, False]
 
 
-@pytest.mark.parametrize("k", [1, 4])
-def test_trainstep_emitting_program_copies_no_more_than_plain_adam(k):
+@pytest.mark.parametrize("k, max_ops", [(1, None), (4, None), (4, 0)])
+def test_trainstep_emitting_program_copies_no_more_than_plain_adam(k, max_ops, monkeypatch):
   # The accumulator is reset lazily (by the next window's first add), so emitting neither
   # copies the sums out of the donated buffer nor fills it with zeros: two parameter-sized
   # copies that an eager reset costs.
-  # With k > 1 `lower(emit=True)` is the closing program (the emitting micro-step runs the
-  # accumulating program, then it); with k = 1 the one program that adds and closes.
+  # `lower(emit=True)`: with k = 1, and for this small model, the one program that adds and
+  # closes; beyond a small model (FUSED_EMIT_MAX_OPS=0 makes this one so) the closing program
+  # (the emitting micro-step runs the accumulating program, then it).
+  if max_ops is not None:
+    monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
   text = step.lower(PARAMS, step.init(PARAMS), BATCH, emit=True).compile().as_text()
   emit = hlo_stats(text)
@@ -228,14 +231,20 @@ def test_trainstep_emitting_program_copies_no_more_than_plain_adam(k):
 
 
 def _dots(hlo_text: str) -> int:
-  return len(re.findall(r"= \S+ dot\(", hlo_text))
+  """Matrix products (a result of 2 or more dimensions, none of them 1): a forward or backward
+  pass's. Not the matrix-vector products (``[n,1]``) of the finite check (`_core._leaf_finite`),
+  which the closing program runs on the window's sums (an overflowing window is dropped)."""
+  shapes = re.findall(r"= \w+\[([\d,]+)\]\S* dot\(", hlo_text)
+  return sum(1 for s in shapes if "," in s and all(int(d) > 1 for d in s.split(",")))
 
 
 @pytest.mark.parametrize("noise_scale", [False, True])
-def test_trainstep_closing_program_computes_no_gradient(noise_scale):
-  # The emitting micro-step runs the accumulating program, then the closing program
-  # (`lower(emit=True)`), which takes (params, state) only: the backward pass is compiled
-  # once, in the accumulating program (positive control: its forward and backward dots).
+def test_trainstep_closing_program_computes_no_gradient(noise_scale, monkeypatch):
+  # Beyond a small model (`FUSED_EMIT_MAX_OPS`; 0 here: every model is beyond it) the emitting
+  # micro-step runs the accumulating program, then the closing program (`lower(emit=True)`),
+  # which takes (params, state) only: the backward pass is compiled once, in the accumulating
+  # program (positive control: its forward and backward dots).
+  monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", 0)
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4, noise_scale=noise_scale)
   state = step.init(PARAMS)
   accumulating = step.lower(PARAMS, state, BATCH, emit=False)
@@ -248,6 +257,25 @@ def test_trainstep_closing_program_computes_no_gradient(noise_scale):
   fused = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=1)
   lowered = fused.lower(PARAMS, fused.init(PARAMS), BATCH, emit=True)
   assert _dots(lowered.compile().as_text()) >= 2 * n_layers
+
+
+@pytest.mark.parametrize("max_ops", [None, 0])
+def test_trainstep_small_model_runs_one_program_per_micro_step(max_ops, monkeypatch):
+  # A small model (issue 42, item 7): the accumulating program has at most FUSED_EMIT_MAX_OPS
+  # operations, so the emitting micro-step is one program (grad → add → close) that takes a
+  # micro-batch and computes the gradient, not the accumulating program then the closing one:
+  # one dispatch fewer per window. The control (max_ops=0): the same model over the limit.
+  if max_ops is not None:
+    monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
+  step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4)
+  state = step.init(PARAMS)
+  accumulating = step.lower(PARAMS, state, BATCH)
+  ops = optax_accum._train_step._ops(accumulating)
+  assert ops <= optax_accum._train_step.FUSED_EMIT_MAX_OPS or max_ops == 0, ops
+  emitting = step.lower(PARAMS, state, BATCH, emit=True)
+  one = max_ops is None
+  assert len(emitting.args_info[0]) == (5 if one else 2)  # a micro-batch in, or (params, state)
+  assert (_dots(emitting.compile().as_text()) > 0) == one  # the gradient, or none
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -279,7 +307,9 @@ def _microbatch_fn(k, traced_num_real):
   vg = jax.value_and_grad(ref.mlp_loss)
   if not traced_num_real:
     return optax_accum.microbatch(vg, k)
-  return lambda p, d, n: optax_accum.microbatch(vg, k, num_real_microbatches=n)(p, d)
+  return lambda p, d, n: optax_accum.microbatch(vg, k, split="strided", num_real_microbatches=n)(
+    p, d
+  )
 
 
 def _microbatch_args(k, traced_num_real, batch_size=64):

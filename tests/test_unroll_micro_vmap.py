@@ -105,8 +105,12 @@ def test_item18_unroll_with_every_reduction_and_python_int_count():
 
   red = ("mean", "sum", "concat", "stack", "last")
   for n in (None, 3):
-    rolled = microbatch(fun, K, reduction=red, num_real_microbatches=n)(params, data)
-    unrolled = microbatch(fun, K, reduction=red, num_real_microbatches=n, unroll=True)(params, data)
+    rolled = microbatch(fun, K, reduction=red, split="strided", num_real_microbatches=n)(
+      params, data
+    )
+    unrolled = microbatch(
+      fun, K, reduction=red, split="strided", num_real_microbatches=n, unroll=True
+    )(params, data)
     _assert_close(unrolled, rolled, rtol=2e-6, atol=1e-7)
 
 
@@ -129,16 +133,20 @@ def test_item18_unroll_bad_values_refused_at_construction(bad, error, match):
 def test_item18_unroll_with_traced_count_refused(unroll):
   loss, params, data = CASES["mlp"]
   step = jax.jit(
-    lambda p, d, n: microbatch(jax.value_and_grad(loss), K, num_real_microbatches=n, unroll=unroll)(
-      p, d
-    )
+    lambda p, d, n: microbatch(
+      jax.value_and_grad(loss), K, split="strided", num_real_microbatches=n, unroll=unroll
+    )(p, d)
   )
   with pytest.raises(ValueError, match=r"unroll=.* needs a trip count known when tracing"):
     step(params, data, 2)
   # unroll=1 (the default) with the traced count still runs, and unroll with a host count.
   n = 2
-  rolled = microbatch(jax.value_and_grad(loss), K, num_real_microbatches=jnp.int32(n))
-  host = microbatch(jax.value_and_grad(loss), K, num_real_microbatches=n, unroll=unroll)
+  rolled = microbatch(
+    jax.value_and_grad(loss), K, split="strided", num_real_microbatches=jnp.int32(n)
+  )
+  host = microbatch(
+    jax.value_and_grad(loss), K, split="strided", num_real_microbatches=n, unroll=unroll
+  )
   _assert_close(host(params, data), jax.jit(rolled)(params, data), rtol=2e-6, atol=1e-7)
 
 
