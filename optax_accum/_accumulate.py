@@ -973,14 +973,6 @@ def emit_dynamic(
   # On a private path the noisy update always happens and is counted (`private_window`).
   private = _checks.holds_private_state(window.inner_state)
   applies = emitting & (window.total > 0) if guard and not private else emitting
-  finite = jnp.asarray(True)
-  if cfg.sums_check:  # read on the micro-step that closes the window only
-    finite = _collectives.cond(applies, _core.all_finite, lambda s: jnp.asarray(True), window.sums)
-    finite = agreed(cfg, finite)
-    if private:
-      window = private_window(cfg, window, finite)
-    else:
-      applies = applies & finite
   if window.noise is not None and applies is not True and SUMS_SQ_READ != "inside":
     # ``|Σ wᵢgᵢ|²`` read in a conditional of its own, before the one that closes the window:
     # read inside that one, it keeps XLA from updating the sums in place, and its branch that
@@ -993,10 +985,38 @@ def emit_dynamic(
       sums_sq = _collectives.cond(applies, _noise.sq_norm, _no_sq, window.sums)
     window = window._replace(sums_sq=sums_sq)
   apply = functools.partial(_inner_update, cfg, like, finish)
-  if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
-    return Closed(*apply(window), jnp.asarray(True), ~finite)
   empty = functools.partial(_no_update, finish)
-  return Closed(*_collectives.cond(applies, apply, empty, window), applies, ~finite)
+  if cfg.sums_check:  # the sums read inside the closing branch: one conditional per micro-step
+    apply = functools.partial(_apply_if_finite, cfg, private, apply, empty)
+  else:
+    apply = functools.partial(_finite_anyway, apply)
+  if applies is True:  # every_k == 1 and nothing can empty the window: no conditional at all
+    out, finite = apply(window)
+  else:
+    out, finite = _collectives.cond(
+      applies, apply, functools.partial(_finite_anyway, empty), window
+    )
+  return Closed(*out, applies & (finite | private), ~finite)
+
+
+def _finite_anyway(branch: Any, window: Window) -> tuple[Any, jax.Array]:
+  """A branch of the closing conditional that reads no sums: its outputs, and "finite"."""
+  return branch(window), jnp.asarray(True)
+
+
+def _apply_if_finite(
+  cfg: Config, private: bool, apply: Any, empty: Any, window: Window
+) -> tuple[Any, jax.Array]:
+  """The closing branch with the sums check (`Config.sums_check`): the window's sums read for
+  NaN/Inf here, on the micro-step that closes the window only (on a GPU each conditional that
+  runs makes the host wait for its predicate, so the check adds none per micro-step); a window
+  whose sums are not finite is dropped (its micro-batches counted by `advance`), or on a
+  private path its sums replaced by zeros under the noise (`private_window`). Returns the
+  branch's outputs and the verdict."""
+  finite = agreed(cfg, _core.all_finite(window.sums))
+  if private:
+    return apply(private_window(cfg, window, finite)), finite
+  return _collectives.cond(finite, apply, empty, window), finite
 
 
 def advance(

@@ -114,6 +114,22 @@ def test_accumulating_program_runs_no_inner_update_and_copies_no_state(front_end
   assert emitting.sqrt_ops > 0  # positive control: the emitting program does run Adam
 
 
+@pytest.mark.parametrize("skip_nonfinite", [True, "window", False])
+def test_accumulate_runs_one_conditional_per_micro_step(skip_nonfinite):
+  # Issue 42's window sums check (an overflowing window dropped) is read inside the closing
+  # conditional, not in one of its own: on a GPU every conditional that runs makes the host
+  # wait for its predicate, so a second top-level one would add a wait to every micro-step.
+  tx = optax_accum.accumulate(ADAM, 4, skip_nonfinite=skip_nonfinite)
+  text = compile_fn(
+    functools.partial(ref.step, tx, ref.mlp_loss), PARAMS, tx.init(PARAMS), BATCH,
+    donate_argnums=(0, 1),
+  ).text  # fmt: skip
+  comps, entry = _hlo.computations(text)
+  placement, _ = _hlo.placements(comps, entry)
+  top = [i for c, w in placement.items() if w == "step" for i in comps[c] if i.op == "conditional"]
+  assert len(top) == 1, f"{len(top)} conditionals run on every micro-step"
+
+
 def _reductions_where(hlo_text: str, min_bytes: int) -> dict[str, int]:
   """{placement: count} of the reductions (not dots) of a buffer of at least `min_bytes` to
   fewer bytes."""
