@@ -8,12 +8,14 @@ gradient the audit can evaluate. Where one of them is elementwise affine in the 
 and Lion's first moment, a momentum trace, SGD's update), ``a + b ⊙ g`` with ``b`` nowhere zero,
 the gradient is ``(leaf - a) / b``: exact up to the leaf's own rounding (for SGD's update, one
 rounding of the parameters, which the audit adds to its threshold). A state leaf is preferred
-over the update for that reason.
+over the update for that reason. Where none is (clipping that acts, Adafactor, Muon,
+schedule-free), the update is kept to be judged through the optimizer (`_audit_through`).
 
 A step that takes the whole batch makes one update per call (the accumulation is inside it); a
 step that takes one micro-batch (`optax.MultiSteps`, `accumulate`, a `TrainStep`) is fed
-micro-batch after micro-batch, and an update is where the parameters change. Its optimizer's
-state is found inside the step's state by its structure.
+micro-batch after micro-batch, and an update is where the parameters or the optimizer's
+moments change. Its optimizer's state is found inside the step's state by structure and
+shapes (`locate`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_accum import _audit_run as run
 from optax_accum._audit_through import Through, applied, placed
@@ -115,17 +116,16 @@ def _ulp(x: Any) -> np.ndarray:
 
 
 def read_back(
-  opt: optax.GradientTransformation,
+  apply: Any,
   inner_before: Any,
   params: Any,
   inner_after: Any,
   params_after: Any,
 ) -> ReadBack | None:
-  """The gradient for which ``opt.update(g, inner_before, params)`` gives `inner_after` and
-  `params_after`, from the first leaf (state first, then the update) that is elementwise affine
-  in it; None where none is."""
-  jitted = jax.jit(opt.update)  # the state an argument: one program for every window
-  update = lambda g: jitted(g, inner_before, params)
+  """The gradient for which the optimizer's step `apply` (`_audit_through.applied`) from
+  `inner_before` at `params` gives `inner_after` and `params_after`, from the first leaf (state
+  first, then the update) that is elementwise affine in it; None where none is."""
+  update = lambda g: apply(g, inner_before, params)
   zeros = jax.tree.map(jnp.zeros_like, params)
   ones = jax.tree.map(jnp.ones_like, params)
   r = jax.tree.map(
@@ -358,9 +358,7 @@ def _window(s: run.Setup, e: run.Emission, template: Any, apply: Any) -> tuple[r
   if None in (before, after, start):
     return run.Window(e.start, None, None, e.calls), _unread()
   try:
-    read = read_back(s.optimizer, before, e.start, after, e.params)
-    if read is None:  # not affine in the gradient: judged end to end; called once here
-      apply(jax.tree.map(jnp.zeros_like, e.start), before, e.start)
+    read = read_back(apply, before, e.start, after, e.params)
   except Exception as err:  # noqa: BLE001  # the user's optimizer: say what it needs
     return run.Window(e.start, None, None, e.calls), _uncallable(err)
   if read is None:

@@ -48,7 +48,7 @@ class Through(NamedTuple):
   """One update of a whole step, kept to be judged through its optimizer (the located states
   are ``optimizer.init(params)``'s structure)."""
 
-  apply: Callable[..., Any]  # (grads, state, params) -> (new state, new params), jitted once
+  apply: Callable[..., Any]  # (grads, state, params) -> (updates, state, params), jitted once
   before: Any  # the optimizer's state before the updating call
   start: Any  # its state at the window's start: the state the previous update left
   after: Any  # its state after the updating call
@@ -57,12 +57,13 @@ class Through(NamedTuple):
 
 
 def applied(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-  """The optimizer's step as one jitted function: the state an argument, so that every window
-  and probe runs one compiled program."""
+  """The optimizer's step as one jitted function, ``(grads, state, params) -> (updates, new
+  state, new params)``: the state an argument, so that every window and probe, read back or
+  judged through, runs one compiled program."""
 
   def step(grads, state, params):
     updates, state = optimizer.update(grads, state, params)
-    return state, optax.apply_updates(params, updates)
+    return updates, state, optax.apply_updates(params, updates)
 
   return jax.jit(step)
 
@@ -114,8 +115,9 @@ def compare(th: Through, grads: Any, tol: float, *, from_start: bool = False) ->
   state = th.start if from_start else th.before
   outs = [th.apply(g, state, th.params) for g in _inputs(grads, th.params, tol)]
   diffs, raw = [], []
-  for i, (name, got, base) in enumerate(
-    (("opt_state", th.after, state), ("params", th.params_after, th.params))
+  for i, (name, got, base) in (
+    (1, ("opt_state", th.after, state)),
+    (2, ("params", th.params_after, th.params)),
   ):
     want = jax.tree.map(_f64, outs[0][i])
     probes = [jax.tree.map(_f64, o[i]) for o in outs[1:]]
