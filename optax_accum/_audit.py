@@ -116,6 +116,10 @@ class Reference:
   batch's own weights of the micro-batches (``implied``), and whether there are any."""
 
   DATA_DEPENDENT = "the weights depend on the data"
+  TOO_FEW = (
+    "too few parameters to tell a sum over examples from any other loss (at most 2k: any "
+    "gradient fits a weighted sum of k micro-batches'); audit a model with more parameters"
+  )
 
   def __init__(self, s: run.Setup):
     self.s = s
@@ -219,7 +223,7 @@ class Reference:
     if self.residual <= self.tol:
       return None
     if self.pieces0.shape[1] <= 2 * self.pieces0.shape[0]:
-      return "too few parameters to tell a sum over examples from any other loss"
+      return self.TOO_FEW
     self.implied, self.residual = fit(self.pieces0, self.g)
     if self.residual > self.tol:
       return "the loss is not a sum over examples"

@@ -300,6 +300,8 @@ def decomposable(ref: Any) -> Check:
   name = "decomposable"
   threshold = f"residual {ref.threshold}"
   figure = f"large = Σ cᵢgᵢ to {fmt(ref.residual)}"
+  if ref.not_sum == ref.TOO_FEW:  # nothing was judged: not a verdict on the loss
+    return unjudged(name, ref.not_sum, threshold)
   if ref.not_sum == ref.DATA_DEPENDENT:
     figure += (
       f" with c = {coefficients(ref.implied)}, but with one micro-batch's rows replaced the "

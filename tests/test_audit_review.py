@@ -14,6 +14,7 @@ import _reference as ref
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -534,4 +535,20 @@ def test_step_the_audit_cannot_see_is_not_ok():
 
   report = optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=plateau)
   assert report["equivalence: gradient"].verdict.startswith("not judged: your optimizer raised")
+  assert not report.ok
+
+
+def test_too_few_parameters_is_not_a_pass():
+  """Three parameters, k = 4: every gradient is a weighted sum of the micro-batches', so a mean
+  of means over unequal real rows (`microbatch` without `weight_fn`) cannot be told from the
+  large batch. The report said ok, every gradient row n/a; "decomposable" now says not judged."""
+  batch = {**ref.regression_data(2, 16, d_out=1), "mask": np.ones(16, np.float32)}
+  batch["mask"][[0, 4, 8]] = 0.0  # micro-batch 0 holds 1 real row, the others 4
+
+  def loss(w, b):
+    err = jnp.sum((b["x"] @ w - b["y"]) ** 2, -1)
+    return jnp.sum(b["mask"] * err) / jnp.sum(b["mask"])
+
+  report = optax_accum.audit(loss, jnp.ones((3, 1)), batch, K)
+  assert report["decomposable"].verdict.startswith("not judged: too few parameters"), str(report)
   assert not report.ok
