@@ -1,7 +1,8 @@
 """The audit's own run time on the guide's models ("Check accumulation on your model").
 
 `optax_accum.audit` is a pre-flight check: it should take seconds. For each model of the guide
-(a whole jitted training step with an in-step `lax.scan` and Adam, a Flax MLP with dropout
+(a whole jitted training step with an in-step `lax.scan` and Adam, the same behind
+`clip_by_global_norm` + AdamW (judged through the optimizer), a Flax MLP with dropout
 through `microbatch`, an Equinox MLP through `TrainStep`, a model on a (data, model) mesh of 8
 host devices through `microbatch` with ``axis_name="data"``), the
 wall-clock seconds of whole `audit` calls, each on fresh objects (its compilations included:
@@ -57,10 +58,10 @@ class _MLP(nn.Module):
     return nn.Dense(2)(x)
 
 
-def whole_step_audit():
+def whole_step_audit(optimizer=None):
   batch, mlp = _batch(), _MLP()
   params = mlp.init(jax.random.key(0), batch["x"][:1])
-  optimizer = optax.adam(1e-3)
+  optimizer = optax.adam(1e-3) if optimizer is None else optimizer
 
   @jax.jit
   def train_step(params, opt_state, batch):
@@ -75,6 +76,12 @@ def whole_step_audit():
 
   loss = lambda p, b: _mse(mlp.apply(p, b["x"]), b["y"])
   return optax_accum.audit(loss, params, batch, K, step=train_step, optimizer=optimizer)
+
+
+def clipped_step_audit():
+  """The same step behind clip_by_global_norm + AdamW: judged through the optimizer, end to end
+  (the gradient cannot be read back through a clipping)."""
+  return whole_step_audit(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)))
 
 
 def flax_audit():
@@ -113,6 +120,7 @@ def mesh_audit():
 
 MODELS = {  # (model, front end): the audit call
   ("Flax MLP, your jitted step (lax.scan, Adam)", "step="): whole_step_audit,
+  ("Flax MLP, your jitted step (lax.scan, clip + AdamW)", "step="): clipped_step_audit,
   ("Flax MLP with dropout", "microbatch, rng"): flax_audit,
   ("Equinox MLP", "TrainStep"): equinox_audit,
   ("MLP on a (data, model) = (4, 2) mesh", "microbatch, axis_name"): mesh_audit,

@@ -22,6 +22,7 @@ from optax_accum import _audit_collectives as collectives
 from optax_accum import _audit_keys as keys
 from optax_accum import _audit_run as run
 from optax_accum import _audit_step
+from optax_accum import _audit_through as through
 from optax_accum._audit_checks import TOL_UNITS, tolerance
 from optax_accum._audit_report import AuditReport, fit, flat, fmt, rel
 
@@ -115,6 +116,10 @@ class Reference:
   batch's own weights of the micro-batches (``implied``), and whether there are any."""
 
   DATA_DEPENDENT = "the weights depend on the data"
+  TOO_FEW = (
+    "too few parameters to tell a sum over examples from any other loss (at most 2k: any "
+    "gradient fits a weighted sum of k micro-batches'); audit a model with more parameters"
+  )
 
   def __init__(self, s: run.Setup):
     self.s = s
@@ -138,11 +143,22 @@ class Reference:
     self.not_sum = self._decompose()
     self.draws_per_micro_batch = (0, 0) if s.keyed is None else checks.loss_draws(s)
     self._fits: dict[bytes, checks.Fitted] = {}
+    self._through: dict[tuple[int, bool], tuple[str, float]] = {}
+    self.explained: Any = None  # the rows a whole step judged through its optimizer gets
 
   def large(self, params: Any) -> Any:
     if id(params) not in self._large:
       self._large[id(params)] = self.s.grad(params, self.s.batch)
     return self._large[id(params)]
+
+  def through(self, w: run.Window, from_start: bool = False) -> tuple[str, float]:
+    """A window judged through its optimizer (`_audit_through.compare`) against the large
+    batch's gradient: from the state before its updating call, or from its window's start."""
+    key = (id(w.through), from_start)
+    if key not in self._through:
+      grads = self.large(w.params)
+      self._through[key] = through.compare(w.through, grads, self.tol, from_start=from_start)
+    return self._through[key]
 
   def pieces(self, params: Any) -> np.ndarray:
     """The micro-batches' gradients at `params`, ``(k, n)``; a non-finite one (an all-padding
@@ -207,7 +223,7 @@ class Reference:
     if self.residual <= self.tol:
       return None
     if self.pieces0.shape[1] <= 2 * self.pieces0.shape[0]:
-      return "too few parameters to tell a sum over examples from any other loss"
+      return self.TOO_FEW
     self.implied, self.residual = fit(self.pieces0, self.g)
     if self.residual > self.tol:
       return "the loss is not a sum over examples"
@@ -353,7 +369,8 @@ def audit(
   update's gradient is compared with the large batch's at the parameters that update started
   from; where they differ, the loop's gradient is fitted as ``Σ cᵢgᵢ`` over the micro-batches'
   own gradients, and its coefficients say which row failed. One row per check, each with its
-  verdict ("ok", "FAIL", "info" or "n/a: <reason>"), the measured figure and the threshold
+  verdict ("ok", "FAIL", "info", "n/a: <reason>" or "not judged: <reason>"), the measured
+  figure and the threshold
   (``TOL_UNITS · k · eps`` of the gradients' dtype, or of the least precise dtype the loss
   computes in, at most 1e-2: float64 under ``jax.enable_x64``, then tight):
 
@@ -391,8 +408,14 @@ def audit(
       arguments included: it is given copies): one call takes the whole batch and makes one
       update (its accumulation inside). Needs `optimizer`, the optimizer it applies, through
       which the audit reads back the gradient it received (from its first moment, momentum or
-      update; one not elementwise affine in the gradient, such as clipping that acts, leaves
-      the gradient rows n/a); `opt_state` defaults to ``optimizer.init(params)``.
+      update; its state is found in your step's by structure and shapes, part by part for a
+      chain). Behind an optimizer not elementwise affine in the gradient (clipping that acts,
+      Adafactor, Muon, schedule-free) the step is judged end to end instead: your step's new
+      optimizer state and parameters against the optimizer applied to the large batch's
+      gradient from the step's own state, each entry allowed the optimizer's measured response
+      to a gradient error within the tolerance. Where neither is possible the equivalence row
+      says "not judged" and the report is not ok. `opt_state` defaults to
+      ``optimizer.init(params)``.
     micro_step: the same for a step your loop calls once per micro-batch (``optax.MultiSteps``,
       `accumulate`, a `TrainStep`): the audit feeds it micro-batch after micro-batch and an
       update is where the parameters change. Needs `optimizer` (the inner one) and `opt_state`
@@ -422,7 +445,8 @@ def audit(
 
   Returns:
     An `AuditReport`: ``print(report)`` shows the table, ``report.assert_ok()`` raises
-    `AssertionError` with it when a check failed, ``report[name]`` is one row.
+    `AssertionError` with it when a check failed or could not be judged (``report.ok`` is
+    then False), ``report[name]`` is one row.
 
   Raises:
     TypeError, ValueError: for a bad argument (named), before anything runs; TypeError when

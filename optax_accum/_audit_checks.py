@@ -29,6 +29,7 @@ from optax_accum._audit_report import (
   rel,
   worst,
 )
+from optax_accum._audit_through import compare as through_compare
 
 # Float error allowed, in units of k·eps(dtype): the large batch and k micro-batches sum the
 # same terms in different orders, and each of the k partial results carries its own rounding.
@@ -58,6 +59,11 @@ def na(name: str, reason: str, threshold: str = "", figure: str = "") -> Check:
   return Check(name, f"n/a: {reason}", figure, threshold)
 
 
+def unjudged(name: str, reason: str, threshold: str = "") -> Check:
+  """A row the audit could not judge on this loop: the report is then not ok."""
+  return Check(name, f"not judged: {reason}", "", threshold)
+
+
 class Fitted:
   """The loop's gradient of one window as ``Σ cᵢ gᵢ`` over the gradients of `units` (the
   micro-batches, or each device's share of each), and the large batch's weights of them."""
@@ -77,14 +83,25 @@ def _window_diffs(ref: Any, out: run.Run) -> list[tuple[int, str, float, float]]
   """(update, worst leaf, difference, allowance) of each window whose gradient is visible."""
   rows = []
   for j, w in enumerate(out.windows):
-    if w.grads is None:
-      continue
-    leaf, diff = worst(leaf_rel_diffs(w.grads, ref.large(w.params)))
-    rows.append((j + 1, leaf, diff, ref.tol + w.grad_slack))
+    if w.grads is not None:
+      leaf, diff = worst(leaf_rel_diffs(w.grads, ref.large(w.params)))
+      rows.append((j + 1, leaf, diff, ref.tol + w.grad_slack))
+    elif w.through is not None:
+      leaf, diff = ref.through(w)
+      rows.append((j + 1, leaf, diff, ref.tol))
   return rows
 
 
+THROUGH = (
+  "beyond your optimizer's response to a gradient error that large: the gradient cannot be "
+  "read back through your optimizer, so its new state and the parameters your step made are "
+  "compared with it applied to the large batch's gradient"
+)
+
+
 def _allowance(ref: Any, out: run.Run) -> str:
+  if any(w.through is not None for w in out.windows):
+    return f"{ref.threshold} {THROUGH}"
   slack, source = max(((w.grad_slack, w.read_from) for w in out.windows), default=(0.0, ""))
   if not source:
     return ref.threshold
@@ -97,8 +114,8 @@ def equivalence(ref: Any, out: run.Run) -> Check:
     return na(name, "see 'decomposable'")
   if not out.windows:
     return Check(name, "FAIL", out.note or "the loop made no update in 2k micro-steps", "")
-  if out.note and all(w.grads is None for w in out.windows):
-    return na(name, out.note)
+  if all(w.grads is None and w.through is None for w in out.windows):
+    return unjudged(name, out.note or "the loop's gradient is not visible to the audit")
   rows = _window_diffs(ref, out)
   if not rows:
     return Check(name, "FAIL", "the loop made no update in 2k micro-steps", ref.threshold)
@@ -109,6 +126,13 @@ def equivalence(ref: Any, out: run.Run) -> Check:
   if bad and len(rows) > 1:
     figure += "; against each update's own window: " + ", ".join(f"{fmt(d)}" for _, _, d, _ in rows)
   return Check(name, "FAIL" if bad else "ok", figure, _allowance(ref, out))
+
+
+def _unseen(out: run.Run) -> str:
+  """Why a row has no gradient to judge: the equivalence row says it in full."""
+  if out.windows and all(w.grads is None and w.through is None for w in out.windows):
+    return "see 'equivalence: gradient'"
+  return out.note or "the loop made no update"
 
 
 def _window_length(s: run.Setup, out: run.Run) -> Check | None:
@@ -137,8 +161,10 @@ def counted(s: run.Setup, ref: Any, out: run.Run) -> Check:
   if ref.same_pieces:
     return na(name, "two micro-batches have the same gradient: use varied examples", threshold)
   first = out.windows[0] if out.windows else None
+  if first is not None and first.grads is None and first.through is not None:
+    return explained(s, ref, out)[0]
   if first is None or first.grads is None:
-    return na(name, out.note or "the loop made no update", threshold)
+    return na(name, _unseen(out), threshold)
   got = flat(first.grads)
   if rel(got, ref.g) <= ref.tol + first.grad_slack:
     later = _carried_over(s, ref, out)
@@ -209,8 +235,10 @@ def weighting(s: run.Setup, ref: Any, out: run.Run) -> Check:
   first = out.windows[0] if out.windows else None
   if _window_length(s, out) is not None:
     return na(name, "see 'every micro-batch counted'")
+  if first is not None and first.grads is None and first.through is not None:
+    return explained(s, ref, out)[1]
   if first is None or first.grads is None:
-    return na(name, out.note or "the loop made no update")
+    return na(name, _unseen(out))
   got = flat(first.grads)
   mom = rel(ref.pieces0.mean(0), ref.g)
   if rel(got, ref.g) <= ref.tol + first.grad_slack:
@@ -272,6 +300,8 @@ def decomposable(ref: Any) -> Check:
   name = "decomposable"
   threshold = f"residual {ref.threshold}"
   figure = f"large = Σ cᵢgᵢ to {fmt(ref.residual)}"
+  if ref.not_sum == ref.TOO_FEW:  # nothing was judged: not a verdict on the loss
+    return unjudged(name, ref.not_sum, threshold)
   if ref.not_sum == ref.DATA_DEPENDENT:
     figure += (
       f" with c = {coefficients(ref.implied)}, but with one micro-batch's rows replaced the "
@@ -301,8 +331,10 @@ def updates(s: run.Setup, ref: Any, out: run.Run) -> list[Check]:
     return [na(n, "no optimizer given") for n in names]
   if not out.across and s.step is None:
     return [na(n, "your step applies the optimizer, once per update") for n in names]
+  if out.windows and all(w.through is not None for w in out.windows):
+    return _through_updates(s, ref, out, names)
   if not out.windows or any(w.grads is None for w in out.windows):
-    return [na(n, out.note or "the loop made no update") for n in names]
+    return [na(n, _unseen(out)) for n in names]
   want = _replay(s, out.windows)
   threshold = f"{ref.threshold} from the optimizer on the accumulated gradient"
   rows = [_compare_update(names[0], out.windows[0], want[0], ref, threshold)]
@@ -344,6 +376,110 @@ def _compare_update(name: str, w: run.Window, want: Any, ref: Any, threshold: st
 def optax_apply(p: Any, u: Any) -> Any:
   """``p + u`` in the parameter's dtype, as `optax.apply_updates` makes it."""
   return np.asarray(jnp.asarray(p) + jnp.asarray(u).astype(jnp.result_type(p)))
+
+
+# ----------------------------------------------------------------------------------------------
+# A whole step whose optimizer the gradient cannot be read back through (`_audit_through`).
+
+
+def _through_updates(s: run.Setup, ref: Any, out: run.Run, names: tuple[str, str]) -> list[Check]:
+  """The first and the last update through the optimizer from the state the previous update
+  left (the window's start, not the updating call's: a count a micro-step advanced shows)."""
+  threshold = (
+    f"{ref.threshold} from your optimizer on the large batch's gradient, from the state the "
+    "previous update left, beyond its response to a gradient error that large"
+  )
+
+  def row(name: str, w: run.Window) -> Check:
+    if ref.through(w)[1] > ref.tol:
+      return na(name, "see 'equivalence: gradient'")
+    leaf, diff = ref.through(w, from_start=True)
+    return Check(name, "ok" if diff <= ref.tol else "FAIL", f"{fmt(diff)} (worst leaf {leaf})",
+                 threshold)  # fmt: skip
+
+  rows = [row(names[0], out.windows[0])]
+  if len(out.windows) < s.num_updates:
+    return [*rows, na(names[1], f"the loop made {len(out.windows)} updates")]
+  if s.num_updates < 2:
+    return [*rows, na(names[1], "num_updates=1")]
+  return [*rows, row(names[1], out.windows[-1])]
+
+
+def explained(s: run.Setup, ref: Any, out: run.Run) -> tuple[Check, Check]:
+  """The rows "every micro-batch counted" and "weighting" of a step judged through its
+  optimizer: ok where every update is the large batch's; else the first fault that explains
+  the first wrong update (the optimizer on ``Σ cᵢgᵢ`` for the usual faults' ``c``)."""
+  if ref.explained is None:
+    ref.explained = _explain(s, ref, out)
+  return ref.explained
+
+
+def _explain(s: run.Setup, ref: Any, out: run.Run) -> tuple[Check, Check]:
+  names = ("every micro-batch counted", "weighting")
+  if ref.not_sum:
+    return na(names[0], "see 'decomposable'"), na(names[1], "see 'decomposable'")
+  bad = [j for j, w in enumerate(out.windows) if w.through and ref.through(w)[1] > ref.tol]
+  threshold = f"your optimizer on Σ cᵢgᵢ {ref.threshold}"
+  if not bad:
+    figure = "every update is your optimizer's on the large batch's gradient (see 'equivalence')"
+    return Check(names[0], "ok", figure, threshold), Check(names[1], "ok", figure, threshold)
+  j = bad[0]
+  w = out.windows[j]
+  for kind, c, pieces, what in _faults(s, ref, out, j):
+    if ref.tol >= compare_through(w, c @ pieces, ref)[1]:
+      figure = (
+        f"update {j + 1} is your optimizer's on Σ cᵢgᵢ with c = {coefficients(c)} over the "
+        f"micro-batches{' of this window and the one before' if len(c) > s.k else ''}: {what}"
+      )
+      if kind == "counted":
+        return Check(names[0], "FAIL", figure, threshold), na(names[1], f"see '{names[0]}'")
+      counted = Check(names[0], "ok", "all counted (see 'weighting')", threshold)
+      return counted, Check(names[1], "FAIL", figure, threshold)
+  why = (
+    "the gradient cannot be read back through your optimizer, and no micro-batch left out, "
+    "counted again or weighed wrong explains the update (see 'equivalence: gradient')"
+  )
+  return na(names[0], why), na(names[1], why)
+
+
+def compare_through(w: run.Window, vec: np.ndarray, ref: Any) -> tuple[str, float]:
+  grads = jax.tree.unflatten(jax.tree.structure(w.params), _split(vec, w.params))
+  return through_compare(w.through, grads, ref.tol)
+
+
+def _split(vec: np.ndarray, like: Any) -> list[np.ndarray]:
+  """A flat vector (`flat`'s order) as arrays shaped as the leaves of `like`."""
+  out, i = [], 0
+  for leaf in jax.tree.leaves(like):
+    n = int(np.prod(np.shape(leaf)))
+    out.append(vec[i : i + n].reshape(np.shape(leaf)))
+    i += n
+  return out
+
+
+def _faults(s: run.Setup, ref: Any, out: run.Run, j: int) -> list[tuple[str, Any, Any, str]]:
+  """The usual faults as ``(row, c, pieces, what)``: the loop's gradient ``c @ pieces``."""
+  k, want = s.k, ref.implied
+  pieces, total = ref.pieces(out.windows[j].params), float(ref.implied.sum())
+  faults = []
+  for i in range(k):
+    faults.append(("counted", total * np.eye(k)[i], pieces, f"only micro-batch {i} counted"))
+  for i in range(k):
+    c = want.copy()
+    c[i] = 0.0
+    for scaled in (c, c * total / c.sum()):
+      faults.append(("counted", scaled, pieces, f"micro-batch {i} not counted"))
+  if j > 0:
+    both = np.concatenate([pieces, ref.pieces(out.windows[j - 1].params)])
+    again = "micro-batches of an earlier window counted again (an accumulator not zeroed?)"
+    faults.append(("counted", np.concatenate([want, want]), both, again))
+  faults.append(("weighting", k * want, pieces, "a division by k forgotten (a sum of means)"))
+  faults.append(("weighting", want / k, pieces, "a division by k done twice"))
+  uniform = np.full(k, total / k)
+  if rel(uniform, want) > SAME_PROPORTIONS:
+    what = "a mean of the micro-batches' means (weight each by its real rows or tokens)"
+    faults.append(("weighting", uniform, pieces, what))
+  return faults
 
 
 def randomness(s: run.Setup, ref: Any, draws: list[tuple[int, ...]] | None, out: run.Run) -> Check:

@@ -19,13 +19,19 @@ class Check:
   """One row of an `AuditReport`: what was checked, the verdict, the figure and the threshold."""
 
   name: str
-  verdict: str  # "ok", "FAIL", "info" or "n/a: <reason>"
+  verdict: str  # "ok", "FAIL", "info", "n/a: <reason>" or "not judged: <reason>"
   figure: str  # the measured figure, e.g. "3.1e-07 (worst leaf ['w1'])"
   threshold: str  # what the figure was held to, e.g. "<= 3.8e-05 (64·k·eps(float32))"
 
   @property
   def failed(self) -> bool:
     return self.verdict == "FAIL"
+
+  @property
+  def unjudged(self) -> bool:
+    """The audit could not judge what this row checks on this loop (and says why): the
+    report is then not ok, since a loop it cannot see may be broken."""
+    return self.verdict.startswith("not judged")
 
   def __str__(self) -> str:
     threshold = f" (threshold {self.threshold})" if self.threshold else ""
@@ -36,9 +42,9 @@ class Check:
 class AuditReport:
   """The result of `optax_accum.audit`: one `Check` per row.
 
-  ``str(report)`` is the table; ``report.ok`` is False when any row says FAIL;
-  ``report.assert_ok()`` raises `AssertionError` with the table in that case; ``report[name]``
-  is the row of that name.
+  ``str(report)`` is the table; ``report.ok`` is False when any row says FAIL or "not judged"
+  (the audit could not see what the loop did, and says why); ``report.assert_ok()`` raises
+  `AssertionError` with the table in that case; ``report[name]`` is the row of that name.
   """
 
   front_end: str
@@ -47,11 +53,12 @@ class AuditReport:
 
   @property
   def ok(self) -> bool:
-    return not any(c.failed for c in self.checks)
+    return not self.failures
 
   @property
   def failures(self) -> tuple[Check, ...]:
-    return tuple(c for c in self.checks if c.failed)
+    """The rows that say FAIL or "not judged"."""
+    return tuple(c for c in self.checks if c.failed or c.unjudged)
 
   def __getitem__(self, name: str) -> Check:
     for c in self.checks:
@@ -60,10 +67,12 @@ class AuditReport:
     raise KeyError(f"no check named {name!r}; the checks are {[c.name for c in self.checks]}.")
 
   def assert_ok(self) -> AuditReport:
-    """Raises `AssertionError` with the table when any check failed; returns the report."""
+    """Raises `AssertionError` with the table when any check failed or could not be judged;
+    returns the report."""
     if not self.ok:
       names = ", ".join(c.name for c in self.failures)
-      raise AssertionError(f"accumulation audit failed ({names}):\n{self}")
+      what = "failed" if all(c.failed for c in self.failures) else "failed or could not judge"
+      raise AssertionError(f"accumulation audit {what} ({names}):\n{self}")
     return self
 
   def __str__(self) -> str:

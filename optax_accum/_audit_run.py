@@ -111,6 +111,7 @@ class Window(NamedTuple):
   grad_slack: float = 0.0  # relative error of `grads` where read back (a whole step)
   rounded: bool = False  # `updates` is ``params_after - params`` (one rounding of the params)
   read_from: str = ""  # where `grads` was read back from (a whole step), e.g. "the update"
+  through: Any = None  # a whole step's update to judge through its optimizer (`Through`)
 
 
 class Run(NamedTuple):
@@ -189,6 +190,7 @@ class Emission(NamedTuple):
   after: Any  # the state after it
   params: Any  # the parameters after it
   calls: int
+  state0: Any = None  # the state at the window's start (what the previous update left)
 
 
 def moved(new: Any, old: Any) -> bool:
@@ -206,7 +208,7 @@ def drive(
   state_after, params_before, params_after)``; stops early where 2k calls make none."""
   out, i = [], 0
   for _ in range(s.num_updates):
-    start, calls = params, 0
+    start, state0, calls = params, state, 0
     while True:
       before = state
       new, state = call(params, state, i)
@@ -216,7 +218,7 @@ def drive(
         break
     if not done:
       return out
-    out.append(Emission(start, before, state, new, calls))
+    out.append(Emission(start, before, state, new, calls, state0))
     params = new
   return out
 

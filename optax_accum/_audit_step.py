@@ -8,12 +8,14 @@ gradient the audit can evaluate. Where one of them is elementwise affine in the 
 and Lion's first moment, a momentum trace, SGD's update), ``a + b ⊙ g`` with ``b`` nowhere zero,
 the gradient is ``(leaf - a) / b``: exact up to the leaf's own rounding (for SGD's update, one
 rounding of the parameters, which the audit adds to its threshold). A state leaf is preferred
-over the update for that reason.
+over the update for that reason. Where none is (clipping that acts, Adafactor, Muon,
+schedule-free), the update is kept to be judged through the optimizer (`_audit_through`).
 
 A step that takes the whole batch makes one update per call (the accumulation is inside it); a
 step that takes one micro-batch (`optax.MultiSteps`, `accumulate`, a `TrainStep`) is fed
-micro-batch after micro-batch, and an update is where the parameters change. Its optimizer's
-state is found inside the step's state by its structure.
+micro-batch after micro-batch, and an update is where the parameters or the optimizer's
+moments change. Its optimizer's state is found inside the step's state by structure and
+shapes (`locate`).
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from optax_accum import _audit_run as run
+from optax_accum._audit_through import Through, applied, placed
 from optax_accum._train_step import TrainStep
 
 # A leaf is read as affine in the gradient when a random gradient's value is predicted by
@@ -42,30 +44,68 @@ class ReadBack(NamedTuple):
   source: str  # what it was read from, e.g. "the update" or "state[0].mu"
 
 
-def _matches(template: Any) -> Any:
-  """A predicate: a subtree with `template`'s structure, shapes and dtypes."""
-  tdef = jax.tree.structure(template)
-  shapes = [(np.shape(x), jnp.result_type(x)) for x in jax.tree.leaves(template)]
+def _signature(tree: Any, dtype: bool) -> tuple[Any, list[tuple[Any, Any]]]:
+  leaves = [(np.shape(x), jnp.result_type(x) if dtype else None) for x in jax.tree.leaves(tree)]
+  return jax.tree.structure(tree), leaves
 
-  def match(x: Any) -> bool:
-    if jax.tree.structure(x) != tdef:
-      return False
-    return [(np.shape(y), jnp.result_type(y)) for y in jax.tree.leaves(x)] == shapes
 
-  return match
+def _matches(template: Any, *, dtype: bool = True) -> Any:
+  """A predicate: a subtree with `template`'s structure and shapes (and dtypes, with `dtype`)."""
+  want = _signature(template, dtype)
+  return lambda x: jax.tree.structure(x) == want[0] and _signature(x, dtype) == want
+
+
+def _found(state: Any, template: Any) -> list[Any]:
+  """The subtrees of `state` shaped as `template`: of its dtypes, else of any (float32
+  moments beside bfloat16 parameters: the optimizer runs on float32 master weights)."""
+  for dtype in (True, False):
+    match = _matches(template, dtype=dtype)
+    found = [x for x in jax.tree.leaves(state, is_leaf=match) if match(x)]
+    if found:
+      return found
+  return []
 
 
 def locate(state: Any, template: Any) -> Any:
-  """The one subtree of `state` shaped as `template` (the optimizer's own state inside the
-  state of a step that wraps it), or None where there is none or more than one."""
-  match = _matches(template)
-  found = [x for x in jax.tree.leaves(state, is_leaf=match) if match(x)]
-  return found[0] if len(found) == 1 else None
+  """The optimizer's own state inside the state of a step that wraps it, shaped as `template`
+  (``optimizer.init(params)``), or None where it is not there once.
+
+  The one subtree of that structure and those shapes (dtypes aside: see `_found`); else, for a
+  chain's state (a tuple), each part found on its own: a schedule chained outside
+  ``optax.MultiSteps`` keeps its count outside the wrapper's state, beside the rest. Parts with
+  no arrays (``EmptyState``) are the template's own; parts of one shape are taken in order.
+  """
+  return _locate(state, template, 0, 1)
+
+
+def _locate(state: Any, template: Any, nth: int, twins: int) -> Any:
+  if not jax.tree.leaves(template):
+    return template
+  found = _found(state, template)
+  if found:
+    return found[nth] if len(found) == twins else None
+  if type(template) is not tuple:
+    return None
+  parts, signatures = [], [_signature(part, True) for part in template]
+  for i, part in enumerate(template):
+    same = [j for j, other in enumerate(signatures) if other == signatures[i]]
+    parts.append(_locate(state, part, same.index(i), len(same)))
+  return None if any(p is None for p in parts) else tuple(parts)
+
+
+def moved_floats(new: Any, old: Any) -> bool:
+  """Whether a floating leaf differs: a step count alone moving (a schedule chained outside
+  ``optax.MultiSteps`` counts every micro-step) is not an update."""
+  return any(
+    jnp.issubdtype(jnp.result_type(a), jnp.inexact)
+    and not np.array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old), strict=True)
+  )
 
 
 def _gradient_shaped(tree: Any, params: Any) -> list[tuple[str, Any]]:
   """The subtrees of `tree` shaped as `params` (the gradient), with their paths."""
-  match = _matches(params)
+  match = _matches(params, dtype=False)
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=match)
   return [(jax.tree_util.keystr(path), x) for path, x in flat if match(x)]
 
@@ -76,38 +116,40 @@ def _ulp(x: Any) -> np.ndarray:
 
 
 def read_back(
-  opt: optax.GradientTransformation,
+  apply: Any,
   inner_before: Any,
   params: Any,
   inner_after: Any,
   params_after: Any,
 ) -> ReadBack | None:
-  """The gradient for which ``opt.update(g, inner_before, params)`` gives `inner_after` and
-  `params_after`, from the first leaf (state first, then the update) that is elementwise affine
-  in it; None where none is."""
-  jitted = jax.jit(opt.update)  # the state an argument: one program for every window
-  update = lambda g: jitted(g, inner_before, params)
+  """The gradient for which the optimizer's step `apply` (`_audit_through.applied`) from
+  `inner_before` at `params` gives `inner_after` and `params_after`, from the first leaf (state
+  first, then the update) that is elementwise affine in it; None where none is."""
+  update = lambda g: apply(g, inner_before, params)
   zeros = jax.tree.map(jnp.zeros_like, params)
   ones = jax.tree.map(jnp.ones_like, params)
   r = jax.tree.map(
-    lambda x, i: _placed(jax.random.normal(jax.random.key(i), x.shape, x.dtype), x),
+    lambda x, i: placed(jax.random.normal(jax.random.key(i), x.shape, x.dtype), x),
     params, jax.tree.unflatten(jax.tree.structure(params), range(len(jax.tree.leaves(params)))),
   )  # fmt: skip
   f0, f1, fr = update(zeros), update(ones), update(r)
   delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
                        params_after, params)  # fmt: skip
+  shaped = lambda i: lambda out: _gradient_shaped(out[1], params)[i][1]
   candidates = [
-    (f"the optimizer state's {path}", got, a, b, c)
-    for (path, a), (_, b), (_, c), (_, got) in zip(
-      *(_gradient_shaped(t[1], params) for t in (f0, f1, fr)),
-      _gradient_shaped(inner_after, params),
-      strict=False,
+    (f"the optimizer state's {path}", got, a, b, c, shaped(i))
+    for i, ((path, a), (_, b), (_, c), (_, got)) in enumerate(
+      zip(
+        *(_gradient_shaped(t[1], params) for t in (f0, f1, fr)),
+        _gradient_shaped(inner_after, params),
+        strict=False,
+      )
     )
   ]
-  candidates.append(("your step's update", delta, f0[0], f1[0], fr[0]))
-  for source, got, a, b, c in candidates:
+  candidates.append(("your step's update", delta, f0[0], f1[0], fr[0], lambda out: out[0]))
+  for source, got, a, b, c, pick in candidates:
     read = _read(got, a, b, c, r)
-    if read is not None:
+    if read is not None and _affine_at(read[0], update, pick, a, b, params):
       grads, slack = read
       if source == "your step's update":  # one rounding of the parameters, p + u, in each entry
         slack = _update_slack(params_after, b, grads)
@@ -115,13 +157,24 @@ def read_back(
   return None
 
 
-def _placed(x: Any, like: Any) -> Any:
-  """`x` placed as `like` (a probe beside parameters on a mesh: one program, one device set);
-  on one device as it is (committed, it would compile the update once more than the others)."""
-  sharding = getattr(like, "sharding", None)
-  if sharding is None or len(sharding.device_set) == 1:
-    return x
-  return jax.device_put(x, sharding)
+def _affine_at(grads: Any, update: Any, pick: Any, a: Any, b: Any, params: Any) -> bool:
+  """Whether the leaf is still ``a + (b - a) ⊙ g`` at twice the gradient read: the probes have
+  entries of order one, and a clipping whose threshold lies between their norm and the
+  gradient's would pass them, the gradient read then being the clipped one."""
+  twice = jax.tree.map(
+    lambda g, p: placed(jnp.asarray(2 * g, jnp.result_type(p)), p), grads, params
+  )
+  got = pick(update(twice))
+  for leaf, a0, b1, g in zip(*(jax.tree.leaves(t) for t in (got, a, b, grads)), strict=True):
+    a0, b1 = np.asarray(a0, np.float64), np.asarray(b1, np.float64)
+    step = (b1 - a0) * 2 * np.asarray(g, np.float64)
+    scale = max(float(np.max(np.abs(step), initial=0.0)), 1e-30)
+    if (
+      float(np.max(np.abs(np.asarray(leaf, np.float64) - a0 - step), initial=0.0))
+      > AFFINE_RTOL * scale
+    ):
+      return False
+  return True
 
 
 def _read(got: Any, a: Any, b: Any, c: Any, r: Any) -> tuple[Any, float] | None:
@@ -269,49 +322,63 @@ def check_signature(step: Any, what: str, keyed: bool) -> None:
 
 
 def run_step(s: run.Setup) -> run.Run:
-  """The user's step, `num_updates` updates, each read back through the optimizer."""
+  """The user's step, `num_updates` updates, each read back through the optimizer (or kept to
+  be judged through it, `_audit_through`)."""
   call = _call(s)
+  template = s.optimizer.init(s.params)
   if s.per_micro_batch:
-    template = s.optimizer.init(s.params)
 
-    def updated(before, after, params, new):  # the parameters or the optimizer's state moved
+    def updated(before, after, params, new):  # the parameters or the optimizer's moments moved
       inner = (locate(before, template), locate(after, template))
-      return run.moved(new, params) or (None not in inner and run.moved(*inner))
+      return run.moved(new, params) or (None not in inner and moved_floats(*inner))
 
     emissions = run.drive(s, call, s.params, s.opt_state, updated)
   else:
     emissions, params, state = [], s.params, s.opt_state
     for j in range(s.num_updates):
       new, after = call(params, state, j)
-      emissions.append(run.Emission(params, state, after, new, s.k))
+      emissions.append(run.Emission(params, state, after, new, s.k, state))
       params, state = new, after
-  template = s.optimizer.init(s.params)
   idle = not s.per_micro_batch and not any(_updated(e, template) for e in emissions)
   emissions = [] if idle else emissions
-  windows, note = [], NO_UPDATE if idle else ""
-  for e in emissions:
-    before, after = locate(e.before, template), locate(e.after, template)
-    read = None
-    if before is not None and after is not None:
-      read = read_back(s.optimizer, before, e.start, after, e.params)
-    if read is None:
-      note = _unread(before, after)
-      windows.append(run.Window(e.start, None, None, e.calls))
-      continue
-    delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
-                         e.params, e.start)  # fmt: skip
-    windows.append(run.Window(e.start, read.grads, delta, e.calls, read.slack, True, read.source))
+  apply = applied(s.optimizer)
+  windows = [_window(s, e, template, apply) for e in emissions]
+  notes = [note for _, note in windows if note]
+  note = NO_UPDATE if idle else (notes[0] if notes else "")
   accumulator = run._accumulator(emissions[0].after) if emissions else None
-  kind = "micro" if s.per_micro_batch else "update"
+  return run.Run([w for w, _ in windows], accumulator, s.per_micro_batch, note=note,
+                 programs=_programs(s))  # fmt: skip
+
+
+def _window(s: run.Setup, e: run.Emission, template: Any, apply: Any) -> tuple[run.Window, str]:
+  """One update: its gradient read back, else kept to be judged through the optimizer (a
+  `Through`), else nothing, with why."""
+  before, after = locate(e.before, template), locate(e.after, template)
+  start = locate(e.state0, template)
+  if None in (before, after, start):
+    return run.Window(e.start, None, None, e.calls), _unread()
+  try:
+    read = read_back(apply, before, e.start, after, e.params)
+  except Exception as err:  # noqa: BLE001  # the user's optimizer: say what it needs
+    return run.Window(e.start, None, None, e.calls), _uncallable(err)
+  if read is None:
+    through = Through(apply, before, start, after, e.start, e.params)
+    return run.Window(e.start, None, None, e.calls, through=through), ""
+  delta = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64),
+                       e.params, e.start)  # fmt: skip
+  return run.Window(e.start, read.grads, delta, e.calls, read.slack, True, read.source), ""
+
+
+def _programs(s: run.Setup) -> Any:
+  """The step's compiled programs, made on demand (for the collectives row)."""
   batch = s.micro[0] if s.per_micro_batch else s.batch
   args = step_args(s, s.params, s.opt_state, batch, 0)
   if isinstance(s.step, TrainStep):  # the user's TrainStep: its two programs
     lower = lambda emit: s.step.lower(*args, emit=emit).compile().as_text()
-    programs = lambda: [("micro", lower(False)), ("closing", lower(True))]
-  else:
-    jitted = s.step if hasattr(s.step, "lower") else jax.jit(s.step)
-    programs = lambda: [(kind, _hlo_text(jitted.lower(*args).compile()))]
-  return run.Run(windows, accumulator, s.per_micro_batch, note=note, programs=programs)
+    return lambda: [("micro", lower(False)), ("closing", lower(True))]
+  jitted = s.step if hasattr(s.step, "lower") else jax.jit(s.step)
+  kind = "micro" if s.per_micro_batch else "update"
+  return lambda: [(kind, _hlo_text(jitted.lower(*args).compile()))]
 
 
 NO_UPDATE = (
@@ -322,9 +389,9 @@ NO_UPDATE = (
 
 
 def _updated(e: run.Emission, template: Any) -> bool:
-  """Whether a call of a whole step updated: its parameters or its optimizer's state moved."""
+  """Whether a call of a whole step updated: its parameters or its optimizer's moments moved."""
   inner = (locate(e.before, template), locate(e.after, template))
-  return run.moved(e.params, e.start) or (None not in inner and run.moved(*inner))
+  return run.moved(e.params, e.start) or (None not in inner and moved_floats(*inner))
 
 
 def _hlo_text(compiled: Any) -> str:
@@ -332,14 +399,17 @@ def _hlo_text(compiled: Any) -> str:
   return getattr(compiled, "compiled", compiled).as_text()
 
 
-def _unread(before: Any, after: Any) -> str:
-  if before is None or after is None:
-    return (
-      "the state of `optimizer` is not in your step's optimizer state once (is `optimizer` "
-      "the one your step applies? pass opt_state= if your step's state is not "
-      "optimizer.init(params))"
-    )
+def _unread() -> str:
   return (
-    "neither your optimizer's update nor its state is linear in the gradient here (e.g. "
-    "clipping that acts): audit the accumulation as front_end=fn(loss_fn, params, batch)"
+    "the state of `optimizer` is not in your step's optimizer state once, so neither the "
+    "gradient nor the update can be judged (is `optimizer` the one your step applies? pass "
+    "opt_state= if your step's state is not optimizer.init(params))"
+  )
+
+
+def _uncallable(err: Exception) -> str:
+  return (
+    f"your optimizer raised {type(err).__name__} when the audit called optimizer.update(grads, "
+    f"state, params): {err} (an optimizer that needs extra arguments, such as a loss value, "
+    "cannot be replayed: audit the accumulation as front_end=fn(loss_fn, params, batch))"
   )
