@@ -109,12 +109,13 @@ REFUSED: dict[str, str] = {
   "key_traced": (
     "{caller}: the key is traced ({kind}): dp_noise was built under jax.jit, jax.vmap or "
     "another transformation from a key passed or made inside it (a whole run jitted, "
-    "`jax.jit(train)(key)`; a sweep, `jax.vmap(train)(keys)`). The registry of keys drawn from in this process sees "
-    "only a key's value, so it cannot tell two such runs on one key apart: they would draw the "
-    "same noise without a word (difference 0.0 measured), and the printed (ε, δ) would be "
-    "false. Use a concrete key: build dp_noise (or privacy.Mechanism) outside jax.jit/jax.vmap, "
-    "e.g. noise = dp_noise(σ, C, B, jax.random.key(seed)), and jit the step that uses it; for "
-    "a sweep, one dp_noise per run, each on its own key (jax.random.split(key, runs))."
+    "`jax.jit(train)(key)`; a sweep, `jax.vmap(train)(keys)`). The registry of keys drawn "
+    "from in this process sees only a key's value, so it cannot tell two such runs on one "
+    "key apart: they would draw the same noise without a word (difference 0.0 measured), "
+    "and the printed (ε, δ) would be false. Use a concrete key: build dp_noise (or "
+    "privacy.Mechanism) outside jax.jit/jax.vmap, e.g. noise = dp_noise(σ, C, B, "
+    "jax.random.key(seed)), and jit the step that uses it; for a sweep, one dp_noise per "
+    "run, each on its own key (jax.random.split(key, runs))."
   ),
   "key_reused": (
     "{caller}: this key (data {data}) was already given to a dp_noise in this process (a run "
