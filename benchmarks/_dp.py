@@ -69,7 +69,7 @@ def memory_rows(cfg: dict) -> list[dict]:
     for k in cfg["ks"]:
       noise = oa.privacy.dp_noise(1.0, CLIP, float(k * b), jax.random.key(0), allow_key_reuse=True)
       step = oa.TrainStep(
-        oa.privacy.clipped_loss(loss, CLIP, batch_argnums=(1, 2)),
+        oa.privacy.clipped_loss(loss, CLIP, batch_argnums=(1, 2), mask_argnum=None),
         optax.chain(noise, optax.sgd(0.1)),
         every_k=k,
         reduction="sum",
@@ -78,7 +78,7 @@ def memory_rows(cfg: dict) -> list[dict]:
       m = _harness.memory(step.lower(params, step.init(params), *mb, emit=False).compile())
       rows.append({"form": "TrainStep micro-step", "b": b, "k": k, "logical": k * b, **m})
       summed = oa.microbatch(
-        oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2)),
+        oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2), mask_argnum=None),
         k,
         batch_argnums=(1, 2),
         reduction="sum",
@@ -97,11 +97,11 @@ def time_rows(cfg: dict, progress: Any = None) -> list[dict]:
   for b in cfg["micros"]:
     k = cfg["ks"][0]
     one, big = _data(b, cfg["mlp"]), _data(k * b, cfg["mlp"], seed=1)
-    ours = jax.jit(oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2)))
+    ours = jax.jit(oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2), mask_argnum=None))
     theirs = jax.jit(jax_privacy.clipped_grad(loss, l2_clip_norm=CLIP, batch_argnums=(1, 2)))
     ours_k = jax.jit(
       oa.microbatch(
-        oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2)),
+        oa.privacy.clipped_grad(loss, CLIP, batch_argnums=(1, 2), mask_argnum=None),
         k,
         batch_argnums=(1, 2),
         reduction="sum",

@@ -325,8 +325,9 @@ class FsdpSteps:
     """The closing program of "params_and_grads": the devices' whole sums reduce-scattered
     once (the FSDP parameters'; the others' and the scalars all-reduced), then the window
     closed from that global view as for the other points; the state keeps its per-device
-    fields (the spent sums stay, lazily reset; a window dropped by ``skip_nonfinite="window"``
-    is counted on the first device)."""
+    fields (the spent sums stay, lazily reset, except on a private path, where they are zeroed:
+    `_accumulate.private_spent`; a window dropped by ``skip_nonfinite="window"`` is counted on
+    the first device)."""
     sums, total, skipped = self._bound(
       self._bound_reduce, (state,), _sharding.per_device_specs, self._reduced_specs
     )
@@ -338,7 +339,9 @@ class FsdpSteps:
     new_params, closed = _accumulate.close_from_state(cfg, view, arrays, like)
     first = jnp.arange(state.num_skipped.shape[0]) == 0
     counted = state.num_skipped + jnp.where(first, closed.num_skipped - skipped, 0)
-    new = closed._replace(grad_sum=state.grad_sum, acc_weight=state.acc_weight, num_skipped=counted)
+    spent = (state.grad_sum, state.acc_weight)
+    sums, total = _accumulate.private_spent(closed.inner_state, True, spent)
+    new = closed._replace(grad_sum=sums, acc_weight=total, num_skipped=counted)
     return _batch.restore_static(new_params, hidden), new
 
   def _bound_reduce(self, state):

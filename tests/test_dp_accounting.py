@@ -48,7 +48,7 @@ def _run(k, updates, every_step):
   params, batch = ref.mlp_params(0), ref.regression_data(1, 4)
   seed = 1000 + k + 10 * updates + every_step
   inner = optax.chain(oa.privacy.dp_noise(1.0, 1.0, 64.0, jax.random.key(seed)), optax.sgd(0.1))
-  loss = oa.privacy.clipped_loss(ref.mlp_loss, 1.0)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, 1.0, mask_argnum=None)
   if every_step:
     step = oa.TrainStep(loss, inner, every_k=k, reduction="sum")
     state = step.init(params)

@@ -57,8 +57,11 @@ def rows(i: int) -> np.ndarray:
 
 
 def noise(clip=C, key=7):
-  """σ > 0, the same key for both neighbours (the adversary's view: the noise cancels)."""
-  return privacy.dp_noise(SIGMA, clip, B, jax.random.key(key), allow_key_reuse=True)
+  """σ > 0, the same key for both neighbours (the adversary's view: the noise cancels). The key
+  is concrete even where this is called under jax.jit (dp_noise refuses a traced one)."""
+  with jax.ensure_compile_time_eval():
+    key = jax.random.key(key)
+  return privacy.dp_noise(SIGMA, clip, B, key, allow_key_reuse=True)
 
 
 def distance(a, b, scale: float = B / C) -> float:
@@ -204,11 +207,14 @@ def a_batch_without_example_0():
   raise AssertionError("no batch without example 0")
 
 
-def pipeline_3_microbatch(*, with_mask=False):
-  """The guide's in-step pattern with a clipped function that has no mask_argnum."""
+def pipeline_3_microbatch(*, with_mask=False, said=False):
+  """The guide's in-step pattern with a clipped function that has no mask_argnum (`said`:
+  mask_argnum=None, batches declared without padding)."""
   batch = a_batch_without_example_0()
   if with_mask:
     clipped = privacy.clipped_grad(loss, C, batch_argnums=(1, 2), mask_argnum=3)
+  elif said:
+    clipped = privacy.clipped_grad(loss, C, batch_argnums=(1, 2), mask_argnum=None)
   else:
     clipped = privacy.clipped_grad(loss, C, batch_argnums=(1, 2))
   summed = oa.microbatch(
@@ -225,12 +231,14 @@ def pipeline_3_microbatch(*, with_mask=False):
   return run
 
 
-def pipeline_3_train_step():
-  """The demo's host loop with a clipped loss that has no mask_argnum (the mask forgotten)."""
+def pipeline_3_train_step(*, said=False):
+  """The demo's host loop with a clipped loss that has no mask_argnum (the mask forgotten;
+  `said`: mask_argnum=None, batches declared without padding)."""
   batch = a_batch_without_example_0()
+  said = {"mask_argnum": None} if said else {}
   step = oa.TrainStep(
-    privacy.clipped_loss(loss, C, batch_argnums=(1, 2)), optax.chain(noise(), optax.sgd(1.0)),
-    every_k=MAXMB + 1, reduction="sum", donate=False,
+    privacy.clipped_loss(loss, C, batch_argnums=(1, 2), **said),
+    optax.chain(noise(), optax.sgd(1.0)), every_k=MAXMB + 1, reduction="sum", donate=False,
   )  # fmt: skip
 
   def run(neighbour):
@@ -468,14 +476,20 @@ def test_2_anything_before_the_noise_is_refused(first, front):
 
 
 def test_3_padding_without_its_mask_is_refused():
+  """The mask forgotten: the clipped function refuses to be built (its padding not said);
+  declared without padding (mask_argnum=None), the options that mean padded batches refuse."""
+  with pytest.raises(ValueError, match=r"clipped_grad: mask_argnum is not given: a clipped"):
+    pipeline_3_microbatch()
+  with pytest.raises(ValueError, match=r"clipped_loss: mask_argnum is not given: a clipped"):
+    pipeline_3_train_step()
   with pytest.raises(
     ValueError, match=r"microbatch: num_real_microbatches on a private path means padded"
   ):
-    pipeline_3_microbatch()
+    pipeline_3_microbatch(said=True)
   with pytest.raises(
     ValueError, match=r"TrainStep: force_emit=True on a private path means padded"
   ):
-    pipeline_3_train_step()(True)
+    pipeline_3_train_step(said=True)(True)
   # With the mask, example 0 (not sampled) does not move the update at all.
   run = pipeline_3_microbatch(with_mask=True)
   assert distance(run(True), run(False)) < 1e-5

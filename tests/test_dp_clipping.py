@@ -62,20 +62,22 @@ def problem():
 @pytest.mark.parametrize("jit", [False, True])
 def test_clipped_grad_matches_per_example_reference(problem, jit):
   params, batch, clip = problem
-  f = oa.privacy.clipped_grad(ref.mlp_loss, clip)
+  f = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)
   f = jax.jit(f) if jit else f
   assert_close(f(params, batch), reference_sum(params, batch, clip))
 
 
 def test_clipped_grad_clips_half_and_reports_stats(problem):
   params, batch, clip = problem
-  grads, stats = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True)(params, batch)
+  grads, stats = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True, mask_argnum=None)(
+    params, batch
+  )
   norms = [np.sqrt(sum(np.sum(v**2) for v in g.values())) for g in per_example_grads(params, batch)]
   np.testing.assert_allclose(stats.norms, norms, rtol=1e-5)
   assert float(stats.num_examples) == N
   assert float(stats.num_clipped) == sum(n > clip for n in norms) == N // 2
   # Each example alone: its clipped gradient has norm min(‖g‖, C).
-  f = jax.jit(oa.privacy.clipped_grad(ref.mlp_loss, clip))
+  f = jax.jit(oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None))
   for i, n in enumerate(norms):
     one = f(params, jax.tree.map(lambda v, i=i: v[i : i + 1], batch))
     clipped = np.sqrt(sum(np.sum(np.asarray(v, np.float64) ** 2) for v in jax.tree.leaves(one)))
@@ -86,7 +88,9 @@ def test_clipped_grad_clips_half_and_reports_stats(problem):
 @pytest.mark.parametrize("split", ["strided", "contiguous"])
 def test_clipped_grad_in_microbatch_is_exact_for_every_split(problem, k, split):
   params, batch, clip = problem
-  f = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum", split=split)
+  f = oa.microbatch(
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None), k, reduction="sum", split=split
+  )
   assert_close(jax.jit(f)(params, batch), reference_sum(params, batch, clip))
 
 
@@ -103,7 +107,7 @@ def test_clipped_grad_padded_examples_change_nothing(problem):
   assert_close(grads, reference_sum(params, real, clip))
   assert float(stats.num_examples) == mask.sum()
   np.testing.assert_array_equal(np.asarray(stats.norms)[~mask], 0.0)
-  unmasked = oa.privacy.clipped_grad(ref.mlp_loss, clip)(params, real)
+  unmasked = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)(params, real)
   assert_close(grads, unmasked)
 
 
@@ -112,13 +116,13 @@ def test_clipped_grad_nonfinite_example_contributes_zero(problem):
   bad = jax.tree.map(np.array, batch)
   bad["x"][3, 0] = np.inf
   keep = np.arange(N) != 3
-  out = oa.privacy.clipped_grad(ref.mlp_loss, clip)(params, bad)
+  out = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)(params, bad)
   assert_close(out, reference_sum(params, batch, clip, mask=keep))
 
 
 def test_clipped_loss_gradient_is_clipped_sum(problem):
   params, batch, clip = problem
-  f = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  f = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   value, grads = jax.jit(jax.value_and_grad(f))(params, batch)
   assert_close(grads, reference_sum(params, batch, clip))
   per_example = [
@@ -132,7 +136,7 @@ def test_clipped_grad_bf16_params_keep_float32_sums(problem):
   rounding it to bfloat16 first moved the update by 1.05·C/B."""
   params, batch, clip = problem
   p16 = jax.tree.map(lambda v: jnp.asarray(v, jnp.bfloat16), params)
-  out = oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, b), clip)(p16, batch)
+  out = oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, b), clip, mask_argnum=None)(p16, batch)
   assert {v.dtype for v in jax.tree.leaves(out)} == {jnp.dtype(jnp.float32)}
 
 
@@ -150,33 +154,33 @@ def test_clipped_grad_rejects_bad_clip(fn, clip):
 def test_clipped_grad_rejects_function_without_batch_argument(problem):
   params, batch, _ = problem
   with pytest.raises(ValueError, match=r"batch_argnums=\(\) is empty.*Per-example clipping"):
-    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=())
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=(), mask_argnum=None)
   with pytest.raises(ValueError, match=r"batch_argnums=0 holds 0, the parameters"):
-    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=0)
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, batch_argnums=0, mask_argnum=None)
   loss_of_params_only = lambda p: sum(jnp.sum(v**2) for v in jax.tree.leaves(p))  # noqa: E731
   with pytest.raises(ValueError, match=r"batch_argnums=\(1,\), but the loss got 1 arguments"):
-    oa.privacy.clipped_grad(loss_of_params_only, 1.0)(params)
+    oa.privacy.clipped_grad(loss_of_params_only, 1.0, mask_argnum=None)(params)
   with pytest.raises(ValueError, match=r"the batch arguments \(1,\) hold no arrays"):
-    oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, batch), 1.0)(params, {})
+    oa.privacy.clipped_grad(lambda p, b: ref.mlp_loss(p, batch), 1.0, mask_argnum=None)(params, {})
 
 
 def test_clipped_grad_rejects_mismatched_batch_and_mask(problem):
   params, batch, _ = problem
   uneven = {"x": batch["x"], "y": batch["y"][:5]}
   with pytest.raises(ValueError, match=r"leading sizes differ .*\['x'\]: 32.*\['y'\]: 5"):
-    oa.privacy.clipped_grad(ref.mlp_loss, 1.0)(params, uneven)
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=None)(params, uneven)
   f = oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=2)
   with pytest.raises(ValueError, match=r"the mask must have shape \(32,\).*got bool\[5\]"):
     f(params, batch, np.ones(5, bool))
   with pytest.raises(ValueError, match=r"mask_argnum=1 is also in batch_argnums"):
     oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=1)
   with pytest.raises(ValueError, match=r"sensitivity: neighboring_relation must be one of"):
-    oa.privacy.clipped_grad(ref.mlp_loss, 1.0).sensitivity("swap")
+    oa.privacy.clipped_grad(ref.mlp_loss, 1.0, mask_argnum=None).sensitivity("swap")
 
 
 def test_clipped_grad_planner_picks_microbatch_from_compiled_memory(problem):
   params, batch, clip = problem
-  clipped = oa.privacy.clipped_grad(ref.mlp_loss, clip)
+  clipped = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)
 
   def peak(k):
     f = jax.jit(oa.microbatch(clipped, k, reduction="sum"))
@@ -215,7 +219,7 @@ NORMS = [*(10.0**e for e in range(-38, 39)), 3e38]
 def test_clipped_grad_any_finite_norm_clips_exactly_against_float64(clip):
   x = _examples_of_norms(NORMS)
   params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
-  f = oa.privacy.clipped_grad(_linear_loss, clip, return_stats=True)
+  f = oa.privacy.clipped_grad(_linear_loss, clip, return_stats=True, mask_argnum=None)
   # Each example alone (a batch of one, vmapped): its own clipped contribution.
   each, stats = jax.jit(jax.vmap(lambda xi: f(params, xi[None])))(x)
   got = np.concatenate([np.asarray(each["a"]), np.asarray(each["b"]).reshape(-1, 4)], axis=1)
@@ -241,7 +245,7 @@ def test_clipped_grad_any_finite_norm_clips_exactly_against_float64(clip):
   np.testing.assert_allclose(reported[exact], norms64[exact], rtol=2e-6)
   assert np.all(reported[~exact] < 2.0**-30)
   # The whole batch at once: the float64 sum.
-  total = jax.jit(oa.privacy.clipped_grad(_linear_loss, clip))(params, x)
+  total = jax.jit(oa.privacy.clipped_grad(_linear_loss, clip, mask_argnum=None))(params, x)
   flat = np.concatenate([np.asarray(total["a"]), np.asarray(total["b"]).ravel()])
   np.testing.assert_allclose(flat, want.sum(0), rtol=0, atol=4e-6 * np.abs(want.sum(0)).max())
 
@@ -251,7 +255,9 @@ def test_clipped_grad_non_finite_entries_still_count_zero():
   x[0, 2] = np.inf
   x[2, 5] = np.nan
   params = {"a": jnp.zeros(3), "b": jnp.zeros((2, 2))}
-  total, stats = oa.privacy.clipped_grad(_linear_loss, 1.0, return_stats=True)(params, x)
+  total, stats = oa.privacy.clipped_grad(_linear_loss, 1.0, return_stats=True, mask_argnum=None)(
+    params, x
+  )
   flat = np.concatenate([np.asarray(total["a"]), np.asarray(total["b"]).ravel()])
   want = x[1].astype(np.float64) / np.linalg.norm(x[1].astype(np.float64))
   np.testing.assert_allclose(flat, want, rtol=2e-6, atol=1e-7)
@@ -307,10 +313,12 @@ def test_item19_has_aux_returns_per_example_values_and_aux_from_one_pass(problem
   jax.eval_shape(cg, params, batch, mask)
   assert len(traces) == without == 1
   # return_stats alongside: the ClipAux holds it; alone it keeps its (grads, ClipStats) form.
-  both = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_values=True, return_stats=True)
+  both = oa.privacy.clipped_grad(
+    ref.mlp_loss, clip, return_values=True, return_stats=True, mask_argnum=None
+  )
   _, extra = both(params, batch)
   assert float(extra.stats.num_examples) == N and extra.aux is None
-  stats_only = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True)
+  stats_only = oa.privacy.clipped_grad(ref.mlp_loss, clip, return_stats=True, mask_argnum=None)
   assert isinstance(stats_only(params, batch)[1], oa.privacy.ClipStats)
 
 
@@ -320,14 +328,16 @@ def test_item19_rescale_to_unit_norm_divides_by_c_and_the_noise_follows(problem)
   update times C is the unscaled run's with the same key and σ: the same mechanism (and ε)
   with the learning rate ÷ C. The same through clipped_loss."""
   params, batch, clip = problem
-  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm=True)
+  cg = oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm=True, mask_argnum=None)
   want = jax.tree.map(lambda v: v / clip, reference_sum(params, batch, clip))
   assert_close(cg(params, batch), want)
-  rescaled_loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, rescale_to_unit_norm=True)
+  rescaled_loss = oa.privacy.clipped_loss(
+    ref.mlp_loss, clip, rescale_to_unit_norm=True, mask_argnum=None
+  )
   assert_close(jax.grad(rescaled_loss)(params, batch), want)
   assert cg.l2_norm_bound == 1.0 and cg.sensitivity() == 1.0
   assert cg.sensitivity("replace_one") == 2.0 and cg.l2_clip == clip
-  plain = oa.privacy.clipped_grad(ref.mlp_loss, clip)
+  plain = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)
   key, sigma = jax.random.key(19_019), 0.7
   noised = []
   for fn in (cg, plain):
@@ -340,7 +350,7 @@ def test_item19_rescale_to_unit_norm_divides_by_c_and_the_noise_follows(problem)
   with pytest.raises(TypeError, match=r"dp_noise: l2_clip must be a number \(the clip norm C\)"):
     oa.privacy.dp_noise(sigma, ref.mlp_loss, 32.0, jax.random.key(19_020))
   with pytest.raises(TypeError, match=r"clipped_grad: rescale_to_unit_norm must be a bool"):
-    oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm="yes")
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, rescale_to_unit_norm="yes", mask_argnum=None)
 
 
 def test_item19_rescale_refuses_noise_scaled_to_c():
@@ -349,12 +359,12 @@ def test_item19_rescale_refuses_noise_scaled_to_c():
   fix; the function itself or 1.0 is accepted. A plain clipped function with the same C alive
   beside it makes C a legitimate bound again (the noise may be for that one)."""
   c = 0.37
-  rescaled = oa.privacy.clipped_loss(ref.mlp_loss, c, rescale_to_unit_norm=True)
+  rescaled = oa.privacy.clipped_loss(ref.mlp_loss, c, rescale_to_unit_norm=True, mask_argnum=None)
   with pytest.raises(ValueError, match=r"dp_noise: l2_clip is the clip norm C .* l2_clip=0\.37"):
     oa.privacy.dp_noise(1.0, c, 8.0, jax.random.key(19_030))
   oa.privacy.dp_noise(1.0, rescaled, 8.0, jax.random.key(19_031))
   oa.privacy.dp_noise(1.0, 1.0, 8.0, jax.random.key(19_032))
-  plain = oa.privacy.clipped_grad(ref.mlp_loss, c)
+  plain = oa.privacy.clipped_grad(ref.mlp_loss, c, mask_argnum=None)
   oa.privacy.dp_noise(1.0, c, 8.0, jax.random.key(19_033))
   assert plain.l2_norm_bound == c and rescaled.l2_norm_bound == 1.0
 
@@ -382,7 +392,7 @@ def _aux_reference(params, batch):
 def test_clipped_loss_has_aux_matches_clipped_grad_and_float64_reference(problem, jit):
   params, batch, clip = problem
   f = oa.privacy.clipped_loss(_aux_loss, clip, mask_argnum=2, has_aux=True)
-  assert f.has_aux and not oa.privacy.clipped_loss(ref.mlp_loss, clip).has_aux
+  assert f.has_aux and not oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None).has_aux
   vg = jax.value_and_grad(f, has_aux=True)
   (value, aux), grads = (jax.jit(vg) if jit else vg)(params, batch, MASK)
   cg = oa.privacy.clipped_grad(_aux_loss, clip, mask_argnum=2, has_aux=True, return_values=True)
@@ -450,12 +460,12 @@ def test_clipped_loss_has_aux_in_train_step_and_microbatch(problem):
 def test_clipped_loss_has_aux_mistakes_raise_naming_the_fix(problem):
   params, batch, clip = problem
   with pytest.raises(TypeError, match=r"clipped_loss: has_aux must be a bool, got 'yes'\."):
-    oa.privacy.clipped_loss(_aux_loss, clip, has_aux="yes")
-  f = oa.privacy.clipped_loss(_aux_loss, clip, has_aux=True)
+    oa.privacy.clipped_loss(_aux_loss, clip, has_aux="yes", mask_argnum=None)
+  f = oa.privacy.clipped_loss(_aux_loss, clip, has_aux=True, mask_argnum=None)
   returns_aux = r"clipped_loss\(\.\.\., has_aux=True\), which returns \(loss, aux\), but has_aux"
   with pytest.raises(ValueError, match=returns_aux + r"=False\. Pass has_aux=True to TrainStep"):
     oa.TrainStep(f, optax.sgd(0.1), every_k=2, reduction="sum")
-  plain = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  plain = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   with pytest.raises(ValueError, match=r"has_aux=True, but loss_fn is privacy\.clipped_loss wi"):
     oa.TrainStep(plain, optax.sgd(0.1), every_k=2, reduction="sum", has_aux=True)
   named = r"reduction=\(\('sum', 'concat'\), 'sum'\) for jax\.value_and_grad\(f, has_aux=True\)"

@@ -66,8 +66,11 @@ def mask(neighbour: bool, real: int = REAL) -> np.ndarray:
 
 def noise(l2_clip=C):
   """σ > 0 with one key for both neighbours (allowed: the same run, rebuilt); `l2_clip` a
-  number or the clipped function whose bound the noise follows."""
-  return oa.privacy.dp_noise(SIGMA, l2_clip, B, jax.random.key(7), allow_key_reuse=True)
+  number or the clipped function whose bound the noise follows. The key is concrete even where
+  this is called under jax.jit (dp_noise refuses a traced one)."""
+  with jax.ensure_compile_time_eval():
+    key = jax.random.key(7)
+  return oa.privacy.dp_noise(SIGMA, l2_clip, B, key, allow_key_reuse=True)
 
 
 def inner(*middle, l2_clip=C):
@@ -103,7 +106,9 @@ def _once(run):
 # The front ends, one update each, as functions of the mask.
 
 
-def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None, inner_tx=None):
+def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None, inner_tx=None, saved=False):
+  """One window through a hand-written accumulate loop (`saved`: release the parameters and the
+  whole state saved after the update, a checkpoint at the window boundary)."""
   tx = oa.accumulate(inner_tx or inner(), k, **{"reduction": "sum", **(tx_kw or {})})
   grad = grads or jax.grad(CLIPPED_LOSS)
 
@@ -114,12 +119,14 @@ def accumulate_run(*, k=STEPS, tx_kw=None, update_kw=None, grads=None, inner_tx=
       g = grad(p, X[rows], Y[rows], m[rows])
       u, state = tx.update(g, state, p, **(update_kw(i) if update_kw else {}))
       p = optax.apply_updates(p, u)
-    return p, oa.privacy.dp_updates(state)
+    return ((p, state) if saved else p), oa.privacy.dp_updates(state)
 
   return _once(window)
 
 
-def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS, l2_clip=C):
+def train_step_run(
+  *, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS, l2_clip=C, saved=False
+):
   """One TrainStep for both neighbours (its programs compile once); so it does not donate: a
   donated state would take dp_noise's own key buffer with it (`init` reuses it)."""
   kw = {"reduction": "sum", "donate": False, **(step_kw or {})}
@@ -131,7 +138,7 @@ def train_step_run(*, loss_fn=CLIPPED_LOSS, step_kw=None, call_kw=None, k=STEPS,
     state, p = s.init(P0), jax.tree.map(jnp.array, P0)
     for i, rows in enumerate(micro_rows()):
       p, state, _ = s(p, state, X[rows], Y[rows], m[rows], **(call_kw(i) if call_kw else {}))
-    return p, oa.privacy.dp_updates(state)
+    return ((p, state) if saved else p), oa.privacy.dp_updates(state)
 
   return _once(window)
 
@@ -585,6 +592,29 @@ def _resumed():
   return ratio(lambda m: two_updates(m, True))
 
 
+def _saved_at_boundary(front: str) -> float:
+  """The parameters and the whole optimizer state saved right after the update (a checkpoint at
+  a window boundary), released together: accumulate's device conditional and update(emit=),
+  TrainStep. Before: TrainStep's state kept the window's un-noised clipped sums (48.0 here),
+  accumulate's a copy of the update it wrote over them (1.41 by this measure); each must reach
+  the bound, the largest is returned."""
+  if front == "TrainStep":
+    runs = [train_step_run(saved=True)]
+  else:
+    emit = {"update_kw": lambda i: {"emit": i == STEPS - 1}}
+    runs = [accumulate_run(saved=True), accumulate_run(saved=True, **emit)]
+  measured = [ratio(run) for run in runs]
+  assert min(measured) >= 0.99, measured
+  return max(measured)
+
+
+def _unpadded() -> float:
+  """clipped_grad(..., mask_argnum=None) on batches without padding: D holds the real rows
+  only, D' one row more."""
+  clipped = oa.privacy.clipped_grad(loss, C, batch_argnums=(1, 2), mask_argnum=None)
+  return ratio(lambda m: released(clipped(P0, X[m > 0], Y[m > 0])))
+
+
 def _injected():
   """The learning rate injected around the noise-first chain (the noise built once, outside the
   factory, which optax calls again on every update)."""
@@ -624,6 +654,13 @@ SENSITIVITY = {
   "accumulate:update(force_emit=...)": lambda: ratio(
     accumulate_run(k=STEPS + 2, update_kw=lambda i: {"force_emit": i == STEPS - 1})
   ),
+  "accumulate:the state saved right after an update (a window boundary)": lambda: (
+    _saved_at_boundary("accumulate")
+  ),
+  "TrainStep:the state saved right after an update (a window boundary)": lambda: _saved_at_boundary(
+    "TrainStep"
+  ),
+  "clipped_grad:mask_argnum=None": _unpadded,
   "accumulate:update(emit=...)": lambda: ratio(
     accumulate_run(update_kw=lambda i: {"emit": i == STEPS - 1})
   ),
@@ -733,7 +770,7 @@ def _train_step(**kw):
 
 
 def _rescaled_clip_noise():
-  rescaled = oa.privacy.clipped_grad(loss, 0.41, rescale_to_unit_norm=True)
+  rescaled = oa.privacy.clipped_grad(loss, 0.41, rescale_to_unit_norm=True, mask_argnum=None)
   try:
     oa.privacy.dp_noise(SIGMA, 0.41, B, jax.random.key(41))
   finally:
@@ -775,7 +812,7 @@ def _accumulate_bf16_grads():
 
 
 def _force_emit_unmasked():
-  unmasked = oa.privacy.clipped_loss(loss, C, batch_argnums=(1, 2))
+  unmasked = oa.privacy.clipped_loss(loss, C, batch_argnums=(1, 2), mask_argnum=None)
   step = oa.TrainStep(unmasked, inner(), STEPS + 2, reduction="sum", donate=False)
   rows = micro_rows()[0]
   step(jax.tree.map(jnp.array, P0), step.init(P0), X[rows], Y[rows], force_emit=True)
@@ -856,6 +893,17 @@ def _key_drawn_before():
   cell()
 
 
+def _key_traced():
+  """A whole run jitted with the key an argument, and a sweep vmapped over keys."""
+
+  def run(key):
+    tx = oa.privacy.dp_noise(SIGMA, C, B, key)
+    return tx.update(P0, tx.init(P0))[0]
+
+  keys = jax.random.split(jax.random.key(40_006))
+  _raise_each(lambda: jax.jit(run)(keys[0]), lambda: jax.vmap(run)(keys))
+
+
 REFUSALS = {
   "accumulate:inner=chain(<anything>, dp_noise(...), ...)": lambda: _before_noise("accumulate"),
   "TrainStep:inner=chain(<anything>, dp_noise(...), ...)": lambda: _before_noise("TrainStep"),
@@ -869,10 +917,10 @@ REFUSALS = {
   "TrainStep:bfloat16 parameters": lambda: oa.TrainStep(
     CLIPPED_LOSS, inner(), STEPS, reduction="sum"
   ).init(BF16),
-  "TrainStep:step(..., force_emit=True), loss_fn without mask_argnum": _force_emit_unmasked,
+  "TrainStep:step(..., force_emit=True), loss_fn with mask_argnum=None": _force_emit_unmasked,
   "microbatch:an argument with the batch's size not in batch_argnums": _unsplit_microbatch,
-  "microbatch:num_real_microbatches, fun without mask_argnum": lambda: oa.microbatch(
-    oa.privacy.clipped_grad(loss, C, batch_argnums=(1, 2)),
+  "microbatch:num_real_microbatches, fun with mask_argnum=None": lambda: oa.microbatch(
+    oa.privacy.clipped_grad(loss, C, batch_argnums=(1, 2), mask_argnum=None),
     STEPS,
     batch_argnums=(1, 2),
     num_real_microbatches=2,
@@ -889,6 +937,13 @@ REFUSALS = {
   "clipped_grad:inside shard_map(check_vma=False) or pmap": _clipped_without_variance,
   "dp_noise:inside shard_map(check_vma=False) or pmap": _noise_without_variance,
   "dp_noise:a key drawn from before in this process": _key_drawn_before,
+  "dp_noise:a traced key (built under jax.jit or jax.vmap)": _key_traced,
+  "clipped_grad:mask_argnum not given": lambda: oa.privacy.clipped_grad(
+    loss, C, batch_argnums=(1, 2)
+  ),
+  "clipped_loss:mask_argnum not given": lambda: oa.privacy.clipped_loss(
+    loss, C, batch_argnums=(1, 2)
+  ),
   "dp_noise:l2_clip=C for clipped_grad/clipped_loss(..., rescale_to_unit_norm=True)": (
     _rescaled_clip_noise
   ),

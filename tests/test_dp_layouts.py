@@ -217,7 +217,9 @@ def run_shard_map(shape, front, sigma, seeds=(0,), batches=None):
   fn = manual_loss if len(shape) == 2 else loss
   tx = _noise(sigma)
   if front == "microbatch":
-    summed = oa.microbatch(privacy.clipped_grad(fn, clip), K, reduction="sum", axis_name=AX)
+    summed = oa.microbatch(
+      privacy.clipped_grad(fn, clip, mask_argnum=None), K, reduction="sum", axis_name=AX
+    )
 
     def step(p, s, b):
       u, _ = tx.update(summed(p, b), s, p)
@@ -227,7 +229,7 @@ def run_shard_map(shape, front, sigma, seeds=(0,), batches=None):
     micro = lambda b: [b]  # noqa: E731
   else:
     tx = oa.accumulate(tx, K, reduction="sum", axis_name=AX)
-    grad = jax.grad(privacy.clipped_loss(fn, clip))
+    grad = jax.grad(privacy.clipped_loss(fn, clip, mask_argnum=None))
 
     def step(p, s, b):
       u, s = tx.update(grad(lax.pcast(p, AX, to="varying"), b), s, p)
@@ -278,7 +280,9 @@ def run_jit(kind, front, sigma, seeds=(0,), batches=None):
     p = _put(params, mesh, specs)
     if front == "microbatch":
       tx = _noise(sigma)
-      summed = oa.microbatch(privacy.clipped_grad(fn, clip), K, reduction="sum", axis_name=AX)
+      summed = oa.microbatch(
+        privacy.clipped_grad(fn, clip, mask_argnum=None), K, reduction="sum", axis_name=AX
+      )
 
       @jax.jit
       def step(p, s, b):
@@ -290,8 +294,8 @@ def run_jit(kind, front, sigma, seeds=(0,), batches=None):
     else:
       inner = optax.chain(_noise(sigma), Record())
       train = oa.TrainStep(
-        privacy.clipped_loss(fn, clip), inner, every_k=K, reduction="sum", axis_name=AX,
-        donate=False,
+        privacy.clipped_loss(fn, clip, mask_argnum=None), inner, every_k=K, reduction="sum",
+        axis_name=AX, donate=False,
       )  # fmt: skip
       for b, seed in itertools.product(batches or [batch], seeds):
         state = optax.tree_utils.tree_set(train.init(p), count=jnp.int32(1000 * seed))
@@ -306,13 +310,13 @@ def run_one_device(front, sigma, seeds=(0,)):
   out = []
   if front == "microbatch":
     tx = _noise(sigma)
-    summed = oa.microbatch(privacy.clipped_grad(loss, clip), K, reduction="sum")
+    summed = oa.microbatch(privacy.clipped_grad(loss, clip, mask_argnum=None), K, reduction="sum")
     step = jax.jit(lambda p, s, b: tx.update(summed(p, b), s, p)[0])
     for seed in seeds:
       out.append(jax.device_get(step(params, _state_with_key(tx, params, seed), batch)))
   else:
     tx = oa.accumulate(_noise(sigma), K, reduction="sum")
-    grad = jax.grad(privacy.clipped_loss(loss, clip))
+    grad = jax.grad(privacy.clipped_loss(loss, clip, mask_argnum=None))
     step = jax.jit(lambda p, s, b: tx.update(grad(p, b), s, p))
     for seed in seeds:
       state = _state_with_key(tx, params, seed)
@@ -365,7 +369,7 @@ def test_dp_layout_reference_tells_global_from_per_shard_clipping():
 def test_dp_layout_fsdp_inside_shard_map_is_refused():
   params, batch, clip, _ = problem()
   mesh = jax.make_mesh((4, 2), (AX, "fsdp"))
-  f = privacy.clipped_grad(fsdp_manual_loss, clip)
+  f = privacy.clipped_grad(fsdp_manual_loss, clip, mask_argnum=None)
   prog = jax.jit(
     jax.shard_map(f, mesh=mesh, in_specs=(FSDP_SPECS, P((AX, "fsdp"))), out_specs=FSDP_SPECS)
   )
@@ -473,9 +477,9 @@ def test_dp_layout_shard_map_replicated_params_give_the_global_clipped_sum(fn):
   params, batch, clip, expected = problem()
   mesh = _sm_mesh((4, 2))
   if fn == "clipped_grad":
-    f = privacy.clipped_grad(manual_loss, clip)
+    f = privacy.clipped_grad(manual_loss, clip, mask_argnum=None)
   else:
-    f = jax.grad(privacy.clipped_loss(manual_loss, clip))
+    f = jax.grad(privacy.clipped_loss(manual_loss, clip, mask_argnum=None))
   prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(MODEL_SPECS, P(AX)), out_specs=MODEL_SPECS))
   got = prog(_put(params, mesh, MODEL_SPECS), ref.shard(batch, mesh, P(AX)))
   assert_close(jax.tree.map(lambda v: np.asarray(v) / N, got), expected)

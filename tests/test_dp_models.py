@@ -115,7 +115,7 @@ def test_dp_model_clipped_grad(kind):
   params, loss, _ = model(kind)
   clip, _ = reference(kind)
   tx = _noise(clip)
-  f = privacy.clipped_grad(loss, clip, batch_argnums=(1, 2))
+  f = privacy.clipped_grad(loss, clip, batch_argnums=(1, 2), mask_argnum=None)
 
   def step(p, x, y):
     g = f(p, x, y)
@@ -132,7 +132,7 @@ def test_dp_model_clipped_loss_gradient(kind):
   params, loss, grad = model(kind)
   clip, _ = reference(kind)
   tx = _noise(clip)
-  f = privacy.clipped_loss(loss, clip, batch_argnums=(1, 2))
+  f = privacy.clipped_loss(loss, clip, batch_argnums=(1, 2), mask_argnum=None)
 
   def step(p, x, y):
     return tx.update(_arrays(grad(f)(p, x, y)), tx.init(_arrays(p)))[0]
@@ -146,8 +146,8 @@ def test_dp_model_microbatch_sum(kind):
   clip, _ = reference(kind)
   tx = _noise(clip)
   summed = oa.microbatch(
-    privacy.clipped_grad(loss, clip, batch_argnums=(1, 2)), K, batch_argnums=(1, 2),
-    reduction="sum",
+    privacy.clipped_grad(loss, clip, batch_argnums=(1, 2), mask_argnum=None), K,
+    batch_argnums=(1, 2), reduction="sum",
   )  # fmt: skip
 
   def step(p, x, y):
@@ -161,7 +161,7 @@ def test_dp_model_accumulate_sum(kind):
   params, loss, grad = model(kind)
   clip, _ = reference(kind)
   tx = oa.accumulate(_noise(clip), K, reduction="sum")
-  f = privacy.clipped_loss(loss, clip, batch_argnums=(1, 2))
+  f = privacy.clipped_loss(loss, clip, batch_argnums=(1, 2), mask_argnum=None)
 
   def step(p, s, x, y):
     return tx.update(_arrays(grad(f)(p, x, y)), s, _arrays(p))
@@ -182,8 +182,8 @@ def test_dp_model_train_step_sum(kind):
   clip, _ = reference(kind)
   inner = optax.chain(_noise(clip), Record())
   step = oa.TrainStep(
-    privacy.clipped_loss(loss, clip, batch_argnums=(1, 2)), inner, every_k=K, reduction="sum",
-    donate=False,
+    privacy.clipped_loss(loss, clip, batch_argnums=(1, 2), mask_argnum=None), inner, every_k=K,
+    reduction="sum", donate=False,
   )  # fmt: skip
   state = step.init(params)
   x, y = _data()

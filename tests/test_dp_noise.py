@@ -56,7 +56,9 @@ def micro_batches(batch, k):
 def test_dp_noise_sigma_zero_in_one_step_matches_reference(problem, k):
   params, batch, clip, expected = problem
   tx = noise(0.0, clip)
-  summed = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+  summed = oa.microbatch(
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None), k, reduction="sum"
+  )
 
   @jax.jit
   def step(params, state, batch):
@@ -71,7 +73,7 @@ def test_dp_noise_sigma_zero_in_one_step_matches_reference(problem, k):
 def test_dp_noise_sigma_zero_across_steps_matches_reference(problem, k):
   params, batch, clip, expected = problem
   tx = oa.accumulate(noise(0.0, clip), k, reduction="sum")
-  grad = jax.jit(jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip)))
+  grad = jax.jit(jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)))
   state = tx.init(params)
   update = jax.jit(tx.update)
   for i, mb in enumerate(micro_batches(batch, k)):
@@ -85,7 +87,7 @@ def test_dp_noise_sigma_zero_train_step_matches_reference(problem):
   params, batch, clip, expected = problem
   inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
   step = oa.TrainStep(
-    oa.privacy.clipped_loss(ref.mlp_loss, clip), inner, every_k=4, reduction="sum"
+    oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None), inner, every_k=4, reduction="sum"
   )
   state, new = step.init(params), params
   for mb in micro_batches(batch, 4):
@@ -102,7 +104,7 @@ def _shard_map_run(params, batches, mesh, clip, k, sigma=0.0, key_seed=None):
   tx = oa.accumulate(
     oa.privacy.dp_noise(sigma, clip, float(N), key), k, reduction="sum", axis_name=AX
   )
-  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None))
 
   def micro(params, state, batch):
     updates, state = tx.update(grad(lax.pcast(params, AX, to="varying"), batch), state, params)
@@ -140,7 +142,7 @@ def test_dp_noise_in_step_microbatch_across_devices_matches_reference(problem):
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
   tx = noise(0.0, clip)
   summed = oa.microbatch(
-    oa.privacy.clipped_grad(ref.mlp_loss, clip), 4, reduction="sum", axis_name=AX
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None), 4, reduction="sum", axis_name=AX
   )
 
   def step(params, state, batch):
@@ -156,7 +158,7 @@ def test_dp_noise_train_step_data_parallel_matches_reference(problem):
   params, batch, clip, expected = problem
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
   inner = optax.chain(noise(0.0, clip), optax.sgd(1.0))
-  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
   state, new = step.init(params), params
   for mb in micro_batches(batch, 2):
@@ -178,7 +180,7 @@ def _noisy_runs(params, batch, clip, sigma):
   tx = oa.accumulate(
     oa.privacy.dp_noise(sigma, clip, float(N), jax.random.key(7)), K, reduction="sum"
   )
-  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None))
   stacked = jax.tree.map(lambda v: v.reshape(K, N // K, *v.shape[1:]), batch)
 
   def run(start):
@@ -253,7 +255,7 @@ def test_dp_noise_train_step_same_noise_on_every_device_shard(problem):
   params, batch, clip, _ = problem
   mesh = jax.make_mesh((8,), (AX,))
   inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
-  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   step = oa.TrainStep(loss, inner, every_k=2, reduction="sum", axis_name=AX, mesh=mesh)
   state, new = step.init(params), params
   for mb in micro_batches(batch, 2):
@@ -444,7 +446,9 @@ def rng_ops(hlo_text):
 def _in_step_hlo(params, clip, k, sigma):
   batch = ref.regression_data(1, 4 * k)
   tx = noise(sigma, clip, 4 * k)
-  summed = oa.microbatch(oa.privacy.clipped_grad(ref.mlp_loss, clip), k, reduction="sum")
+  summed = oa.microbatch(
+    oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None), k, reduction="sum"
+  )
 
   def step(params, state, batch):
     return tx.update(summed(params, batch), state, params)
@@ -454,7 +458,7 @@ def _in_step_hlo(params, clip, k, sigma):
 
 def _accumulate_hlo(params, clip, k, sigma):
   tx = oa.accumulate(noise(sigma, clip, 4 * k), k, reduction="sum")
-  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip))
+  grad = jax.grad(oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None))
   step = lambda p, s, b: tx.update(grad(p, b), s, p)  # noqa: E731
   return jax.jit(step).lower(params, tx.init(params), ref.regression_data(1, 4)).compile().as_text()
 
@@ -474,7 +478,7 @@ def test_dp_noise_draws_random_numbers_once_per_update_whatever_k(problem):
 def test_dp_noise_train_step_accumulating_program_draws_nothing(problem):
   params, batch, clip, _ = problem
   inner = optax.chain(noise(SIGMA, clip), optax.sgd(1.0))
-  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   counts = {}
   for k in (2, 16):
     step = oa.TrainStep(loss, inner, every_k=k, reduction="sum", donate=False)
@@ -576,7 +580,7 @@ def test_dp_noise_rides_on_the_one_all_reduce_per_update(problem):
   # micro-batch: XLA's combiner decides how many), the accumulating program none, no loop any.
   params, batch, clip, _ = problem
   mesh = jax.make_mesh((2,), (AX,), devices=jax.devices()[:2])
-  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip)
+  loss = oa.privacy.clipped_loss(ref.mlp_loss, clip, mask_argnum=None)
   big = 4 * sum(v.size for v in jax.tree.leaves(params)) // 8  # the loss's scalar is not one
   for k in (2, 16):
     counts = {}

@@ -23,7 +23,7 @@ def problem():
 @pytest.mark.filterwarnings("ignore:optax.global_norm is deprecated:DeprecationWarning")
 def test_clipped_grad_peer_jax_privacy_same_sum_and_sensitivity(problem):
   params, batch, clip = problem
-  ours = oa.privacy.clipped_grad(ref.mlp_loss, clip)
+  ours = oa.privacy.clipped_grad(ref.mlp_loss, clip, mask_argnum=None)
   theirs = jax_privacy.clipped_grad(
     ref.mlp_loss, argnums=0, l2_clip_norm=clip, batch_argnums=1, keep_batch_dim=True
   )
@@ -49,7 +49,7 @@ def test_item19_peer_jax_privacy_rescale_values_aux_and_replace_one(problem):
     return jnp.mean(jnp.sum((out - b["y"]) ** 2, axis=-1)), out
 
   ours = oa.privacy.clipped_grad(
-    loss_aux, clip, has_aux=True, return_values=True, rescale_to_unit_norm=True
+    loss_aux, clip, has_aux=True, return_values=True, rescale_to_unit_norm=True, mask_argnum=None
   )
   theirs = jax_privacy.clipped_grad(
     loss_aux, argnums=0, has_aux=True, l2_clip_norm=clip, batch_argnums=1, keep_batch_dim=True,

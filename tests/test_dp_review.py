@@ -265,8 +265,12 @@ def test_a_captured_array_of_another_size_and_a_declared_shared_one_are_kept():
 
 
 # ----------------------------------------------------------------------------------------------
-# Still a false ε without a word: each marked xfail(strict=True), its reason what it leaks and
-# why the library does not see it. Each asserts what the contract asks: refused, or kept.
+# The review's pipelines that printed a false ε without a word. Each asserts what the contract
+# asks: refused, or kept. Closed since: the padding's mask forgotten (a clipped function must
+# now say mask_argnum=n or None) and a traced key (refused where dp_noise is built). Still open,
+# marked xfail(strict=True), the reason what it leaks and why the library cannot see it (the
+# privacy guide's "what the library cannot see"): a resume at the wrong count, something before
+# a private accumulate, unclipped gradients into a private accumulate.
 
 
 def refused_or_kept(measure) -> None:
@@ -318,15 +322,6 @@ def padded_without_mask(front: str):
   return distance(run(True), run(False))
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="the padding's mask forgotten where nothing says the batch is padded: 19·C from "
-  "example 0, not sampled (microbatch without num_real_microbatches; TrainStep and a hand "
-  "loop with accumulate, every_k=max_microbatches; 3·C with force_emit in the hand loop). "
-  "The checks key on num_real_microbatches and "
-  "force_emit; a clipped function without mask_argnum on any private path would have to be "
-  "refused (Poisson batches always pad), a design change for the lead",
-)
 @pytest.mark.parametrize("front", ["microbatch", "TrainStep", "accumulate"])
 def test_padding_without_its_mask_where_nothing_says_padded(front):
   refused_or_kept(lambda: padded_without_mask(front))
@@ -344,19 +339,21 @@ def one_jitted_run(key):
   return jax.jit(train)(key)
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="a key traced into dp_noise (a whole run jitted, or vmapped over seeds) is not "
-  "registered: two runs on key(0) draw the same noise (difference 0.0) without a word. "
-  "Catching it needs the key's value at run time (a host callback per update)",
-)
 def test_two_jitted_runs_on_one_key_are_refused():
-  first = one_jitted_run(jax.random.key(4320))
-  try:
-    second = one_jitted_run(jax.random.key(4320))
-  except ValueError:
-    return
-  assert distance(first, second, 1.0) > 0, "the second run drew the first one's noise"
+  """Before: both runs trained, drawing the same noise (difference 0.0). Now a traced key is
+  refused where dp_noise is built, the first run already (the registry cannot see its value),
+  and so is a sweep vmapped over keys; built outside with the concrete key, the jitted step
+  runs."""
+  traced = r"dp_noise: the key is traced \(.*\): dp_noise was built under jax.jit, jax.vmap"
+  for _ in range(2):
+    with pytest.raises(ValueError, match=traced):
+      one_jitted_run(jax.random.key(4320))
+  with pytest.raises(ValueError, match=traced):
+    jax.vmap(lambda k: privacy.dp_noise(1.0, C, B, k).init(P0))(jax.random.split(jax.random.key(2)))
+  tx = optax.chain(privacy.dp_noise(1.0, C, B, jax.random.key(4320)), optax.sgd(1.0))
+  zeros = jax.tree.map(jnp.zeros_like, P0)
+  first = jax.jit(lambda: tx.update(zeros, tx.init(P0), P0)[0])()
+  assert distance(first, zeros, 1.0) > 0  # the noise drawn
 
 
 @pytest.mark.xfail(
@@ -364,7 +361,8 @@ def test_two_jitted_runs_on_one_key_are_refused():
   reason="resuming with the wrong count (the optimizer state re-initialised, the parameters "
   "kept) redraws update 0's noise: two releases differ by the un-noised difference of their "
   "clipped sums (‖Δ‖·B = 3.4641 = ‖g' − g‖ to float32 rounding). allow_key_reuse=True (or a "
-  "new process) trusts the count; the registry keeps keys, not the counts drawn",
+  "new process) trusts the count; the registry keeps keys, not the counts drawn (only the "
+  "device knows a state's count: a host round trip per update to check it)",
 )
 def test_a_resume_at_the_wrong_count_is_refused():
   key = jax.random.key(4321)
@@ -383,8 +381,8 @@ def test_a_resume_at_the_wrong_count_is_refused():
   strict=True,
   reason="optax.chain(<anything>, accumulate(chain(dp_noise, ...))): what stands before "
   "accumulate acts on every micro-step's clipped sum before the noise (scale(10.): 10.0); "
-  "accumulate sees gradients only, not what made them. TrainStep and Mechanism build the "
-  "chain themselves",
+  "accumulate sees gradients only, not what made them, nor the chain around it. TrainStep "
+  "and Mechanism build the chain themselves",
 )
 def test_something_before_a_private_accumulate_is_refused():
   grad = jax.grad(CLIPPED_LOSS)
@@ -408,7 +406,9 @@ def test_something_before_a_private_accumulate_is_refused():
   reason="half a mechanism in a hand loop: accumulate(chain(dp_noise, ...)) fed jax.grad of "
   "an unclipped loss (nothing bounds an example: 2994 here, the added example's own norm) "
   "trains without a word; "
-  "only TrainStep sees the loss. A gradient carries no mark of having been clipped",
+  "only TrainStep sees the loss. A gradient carries no mark of having been clipped: "
+  "jax.grad of clipped_loss (a custom VJP) must return the parameters' own tree, so the "
+  "documented across-steps gradient cannot carry a token that accumulate could require",
 )
 def test_a_private_accumulate_fed_unclipped_gradients_is_refused():
   def masked_loss(p, x, y, m):

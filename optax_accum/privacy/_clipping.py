@@ -33,6 +33,17 @@ NO_BATCH = (
   "leading axis is the batch with batch_argnums (default 1, as in `loss(params, batch)`)."
 )
 
+
+class _NotSaid:
+  """`mask_argnum`'s default: not given. A clipped function must say how its batches are
+  padded (`NOT_SAID` is refused, naming the two answers)."""
+
+  def __repr__(self) -> str:
+    return "<not given>"
+
+
+NOT_SAID: Any = _NotSaid()
+
 # The L2 sensitivity of a clipped sum per neighbouring relation, as a multiple of the bound on
 # one example's contribution (jax_privacy's `BoundedSensitivityCallable.sensitivity`): replacing
 # one example by any other moves the sum by up to 2C, by a zero one (or adding/removing one) C.
@@ -111,7 +122,11 @@ def _check_clip(l2_clip: Any, caller: str) -> float:
   return float(l2_clip)
 
 
-def _argnums(batch_argnums: Any, mask_argnum: Any) -> tuple[tuple[int, ...], int | None]:
+def _argnums(
+  batch_argnums: Any, mask_argnum: Any, caller: str
+) -> tuple[tuple[int, ...], int | None]:
+  if mask_argnum is NOT_SAID:  # a padded batch's mask must not be forgettable
+    _guard.refuse("mask_not_said", caller)
   nums = (batch_argnums,) if isinstance(batch_argnums, int) else tuple(batch_argnums)
   bad = [n for n in nums if isinstance(n, bool) or not isinstance(n, int) or n < 0]
   if bad or not nums:
@@ -479,7 +494,8 @@ class ClippedGrad:
 
     >>> import jax.numpy as jnp
     >>> from optax_accum import privacy
-    >>> privacy.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5).sensitivity("replace_one")
+    >>> clipped = privacy.clipped_grad(lambda w, x: jnp.mean(x @ w), 0.5, mask_argnum=None)
+    >>> clipped.sensitivity("replace_one")
     1.0
     """
     return RELATIONS[check_relation(neighboring_relation, "sensitivity")] * self.l2_norm_bound
@@ -510,7 +526,7 @@ def _options(
   if not callable(loss):
     raise TypeError(f"{caller}: loss must be callable, got {loss!r}.")
   l2_clip = _check_clip(l2_clip, caller)
-  nums, mask_argnum = _argnums(batch_argnums, mask_argnum)
+  nums, mask_argnum = _argnums(batch_argnums, mask_argnum, caller)
   shared = _shared(shared_argnums, nums, caller)
   for name, value in flags.items():
     if not isinstance(value, bool | np.bool_):
@@ -526,7 +542,7 @@ def clipped_grad(
   l2_clip: float,
   *,
   batch_argnums: ArgNums = 1,
-  mask_argnum: int | None = None,
+  mask_argnum: int | None = NOT_SAID,
   shared_argnums: ArgNums = (),
   has_aux: bool = False,
   return_values: bool = False,
@@ -556,8 +572,9 @@ def clipped_grad(
   as `jax.grad`'s would.
 
   Compose it with `microbatch` for a logical batch larger than one micro-batch, e.g.
-  ``microbatch(clipped_grad(loss, C), k, reduction="sum")``; the memory is one micro-batch of
-  per-example gradients. Across steps, use `clipped_loss` with `accumulate`/`TrainStep`.
+  ``microbatch(clipped_grad(loss, C, mask_argnum=...), k, reduction="sum")``; the memory is one
+  micro-batch of per-example gradients. Across steps, use `clipped_loss` with
+  `accumulate`/`TrainStep`.
 
   Args:
     loss: ``loss(params, *args) -> scalar`` (``-> (scalar, aux)`` with `has_aux`), the loss
@@ -565,11 +582,15 @@ def clipped_grad(
     l2_clip: ``C``, the clip norm, a positive finite number.
     batch_argnums: the positions (in ``loss``'s arguments, >= 1) of the pytrees whose leaves'
       leading axis is the batch; all must have the same leading size ``B``.
-    mask_argnum: optional position of one more argument of the returned function (not passed
-      to `loss`): a ``(B,)`` array, nonzero for real examples and 0 for padding. In a
-      `microbatch`, name it in `batch_argnums` there so that it is split with the batch. A
-      padded batch (`PoissonSampler`'s) needs it: `microbatch(num_real_microbatches=...)` and
-      `TrainStep(force_emit=True)` refuse a clipped function without it.
+    mask_argnum: required: how the batches are padded. An int: the position of one more
+      argument of the returned function (not passed to `loss`), a ``(B,)`` array, nonzero for
+      real examples and 0 for padding (`PoissonSampler`'s batches are padded with copies of
+      example 0: ``PoissonBatch.take(x, y)`` gives the rows and this mask together). In a
+      `microbatch`, name it in `batch_argnums` there so that it is split with the batch.
+      None: the batches have no padding (every row a real example), said deliberately;
+      `microbatch(num_real_microbatches=...)` and `TrainStep(force_emit=True)` (padded
+      batches) refuse it. Not given: refused (a forgotten mask lets each padding row count as
+      example 0).
     shared_argnums: positions (in `loss`'s arguments, >= 1) of arguments passed whole to every
       example on purpose: the same for every example, though their leading size may be the
       batch's. Any other argument with the batch's leading size raises (at the first call): the
@@ -602,23 +623,23 @@ def clipped_grad(
 
   Raises:
     TypeError, ValueError: for an `l2_clip` that is not a positive finite number, empty or
-      negative `batch_argnums` (or one naming the parameters), a bad `mask_argnum`, a flag
-      that is not a bool; at call time, for batch arguments that are missing, hold no arrays
-      or disagree on the batch size, a mask of the wrong shape, parameters without a floating
-      array, an argument that is not split but has the batch's leading size (not in
-      `shared_argnums`), inside a map without device-variance types
-      (``shard_map(check_vma=False)``, ``pmap``), or (inside `shard_map`) a loss that gathers
+      negative `batch_argnums` (or one naming the parameters), a `mask_argnum` not given (or
+      not None or an int >= 1), a flag that is not a bool; at call time, for batch arguments
+      that are missing, hold no arrays or disagree on the batch size, a mask of the wrong
+      shape, parameters without a floating array, an argument that is not split but has the
+      batch's leading size (not in `shared_argnums`), inside a map without device-variance
+      types (``shard_map(check_vma=False)``, ``pmap``), or (inside `shard_map`) a loss that gathers
       or permutes values over an axis the examples are split over (FSDP written by hand:
       per-example gradients would mix examples).
 
   >>> import jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)  # per-example gradient: the example x itself
-  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0)
+  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0, mask_argnum=None)  # batches not padded
   >>> g(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))  # norms 5 → clipped to 1, and 0.5
   Array([0.90000004, 1.2       ], dtype=float32)
   >>> g.sensitivity()
   1.0
-  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0, return_values=True)
+  >>> g = optax_accum.privacy.clipped_grad(loss, 1.0, mask_argnum=None, return_values=True)
   >>> _, aux = g(jnp.ones(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
   >>> [round(float(v), 4) for v in aux.values]  # each example's loss, from the same pass
   [7.0, 0.7]
@@ -652,7 +673,7 @@ def clipped_loss(
   l2_clip: float,
   *,
   batch_argnums: ArgNums = 1,
-  mask_argnum: int | None = None,
+  mask_argnum: int | None = NOT_SAID,
   shared_argnums: ArgNums = (),
   has_aux: bool = False,
   rescale_to_unit_norm: bool = False,
@@ -663,8 +684,9 @@ def clipped_loss(
   come from the forward pass the gradient needs: ``jax.value_and_grad`` of it runs the loss
   once); its gradient with respect to argument 0 (a custom VJP) is ``Σᵢ clip_C(∇ℓᵢ)``,
   computed in the forward pass. So any front end that takes a loss and calls `jax.grad` on it
-  accumulates clipped sums, e.g. ``TrainStep(clipped_loss(loss, C), optax.chain(dp_noise(...),
-  optax.sgd(lr)), every_k=k, reduction="sum")``. Only argument 0 is differentiable.
+  accumulates clipped sums, e.g. ``TrainStep(clipped_loss(loss, C, mask_argnum=...),
+  optax.chain(dp_noise(...), optax.sgd(lr)), every_k=k, reduction="sum")``. Only argument 0 is
+  differentiable.
 
   With `has_aux` it returns ``(value, aux)``, each example's aux one row of `aux` (as
   `clipped_grad`'s ``ClipAux.aux``), from the same forward pass: differentiate it with
@@ -698,10 +720,11 @@ def clipped_loss(
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> loss = lambda w, x: jnp.mean(x @ w)
-  >>> f = optax_accum.privacy.clipped_loss(loss, 1.0)
+  >>> f = optax_accum.privacy.clipped_loss(loss, 1.0, mask_argnum=None)
   >>> jax.grad(f)(jnp.zeros(2), jnp.array([[3.0, 4.0], [0.3, 0.4]]))
   Array([0.90000004, 1.2       ], dtype=float32)
-  >>> g = optax_accum.privacy.clipped_loss(lambda w, x: (loss(w, x), x @ w), 1.0, has_aux=True)
+  >>> g = optax_accum.privacy.clipped_loss(
+  ...   lambda w, x: (loss(w, x), x @ w), 1.0, mask_argnum=None, has_aux=True)
   >>> (value, rows), grads = jax.value_and_grad(g, has_aux=True)(
   ...   jnp.ones(2), jnp.array([[3.0, 4.0], [0.5, 0.25]]))
   >>> rows  # each example's aux (its x @ w), one row each

@@ -111,6 +111,11 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "a short window (e.g. a small Poisson draw) sums fewer clipped gradients; the noise and "
      "the divisor B are the same (force_emit must be public, e.g. the sampler's count)"),
   _R("accumulate", "update(emit=...)", KEPT, "the same window, without a device conditional"),
+  _R("accumulate", "the state saved right after an update (a window boundary)", MADE_RIGHT,
+     "the emitting step zeroes the spent clipped sums and window weight (lazily reset "
+     "otherwise), with or without axis_name or emit=: the saved state and the parameters "
+     "together move by at most C/B, and resuming from it is bit-exact; a state saved mid-window "
+     "holds the open window's un-noised sums (secret)"),
   _R("accumulate", "inner=chain(<anything>, dp_noise(...), ...)", REFUSED,
      "what stands before the noise acts on the un-noised clipped sums (a statistic of the data "
      "or a change of scale: scale_by_adam, scale_by_rms, scale, masked, multi_transform)",
@@ -146,6 +151,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "step(..., force_emit=True)", KEPT,
      "a short window sums fewer clipped gradients; the same noise and divisor"),
   _R("TrainStep", "donate=True, grad_buffer=True", KEPT, "memory only"),
+  _R("TrainStep", "the state saved right after an update (a window boundary)", MADE_RIGHT,
+     "as accumulate's: the emitting program zeroes the spent clipped sums and window weight "
+     "(with axis_name, and FSDP's per-device sums too)"),
   _R("TrainStep", 'axis_name="data", mesh', KEPT,
      "per-device clipped sums, one all-reduce per window, one noise draw after it"),
   _R("TrainStep", "inner=chain(<anything>, dp_noise(...), ...)", REFUSED,
@@ -157,7 +165,7 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "bfloat16 parameters", REFUSED,
      "clipped_loss's gradient has the parameters' dtype: each micro-step's clipped sum rounded "
      "before the noise", "narrow_sums"),
-  _R("TrainStep", "step(..., force_emit=True), loss_fn without mask_argnum", REFUSED,
+  _R("TrainStep", "step(..., force_emit=True), loss_fn with mask_argnum=None", REFUSED,
      "variable windows are a padded sampler's batches: padding rows would count as example 0",
      "unmasked_padding"),
   # microbatch(fun, k, ...)
@@ -209,7 +217,7 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("microbatch", "fun whose loss captures the whole batch (closure, partial)", REFUSED,
      "every micro-batch's examples see all of it (the logical batch's labels captured by the "
      "loss of a clipped_grad)", "captured_batch"),
-  _R("microbatch", "num_real_microbatches, fun without mask_argnum", REFUSED,
+  _R("microbatch", "num_real_microbatches, fun with mask_argnum=None", REFUSED,
      "a padded batch whose padding rows (copies of example 0) would count", "unmasked_padding"),
   _R("microbatch", "fun=clipped_grad(...), bfloat16 parameters", MADE_RIGHT,
      "the clipped sums stay float32 until the noise (dp_noise adds it in float32; apply_updates "
@@ -227,6 +235,15 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "its gradient has the parameters' dtype: each clipped sum rounded before the noise on every "
      "front end (microbatch, a hand loop), and a cast up afterwards cannot undo it",
      "narrow_sums"),
+  _R("clipped_grad", "mask_argnum not given", REFUSED,
+     "a padded batch (PoissonSampler's: copies of example 0) fed to a function without the mask "
+     "counts every padding row as example 0 wherever nothing says the batch is padded "
+     "(microbatch without num_real_microbatches; TrainStep or a hand-written accumulate loop "
+     "with every_k=max_microbatches: 19·C from example 0, not sampled)", "mask_not_said"),
+  _R("clipped_loss", "mask_argnum not given", REFUSED,
+     "as clipped_grad's (TrainStep, a hand-written accumulate loop)", "mask_not_said"),
+  _R("clipped_grad", "mask_argnum=None", KEPT,
+     "batches declared without padding: every row is a real example, as declared"),
   _R("clipped_grad", "shared_argnums", KEPT,
      "an argument declared the same for every example: passed whole, as declared"),
   _R("clipped_grad", "inside shard_map(check_vma=False) or pmap", REFUSED,
@@ -250,6 +267,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "no_variance"),
   _R("dp_noise", "a key drawn from before in this process", REFUSED,
      "two runs on one key draw the same noise, whether or not the first is alive", "key_reused"),
+  _R("dp_noise", "a traced key (built under jax.jit or jax.vmap)", REFUSED,
+     "the registry cannot see a traced key's value: two jitted runs (or a sweep vmapped over "
+     "keys) on one key would draw the same noise", "key_traced"),
   _R("dp_noise", "the state saved, dp_noise rebuilt with allow_key_reuse=True", MADE_RIGHT,
      "the state holds the update count only (the key stays with the transformation: a saved or "
      "shared state cannot regenerate the noise); rebuilt on the same key with the state "

@@ -56,13 +56,26 @@ REFUSED: dict[str, str] = {
     "optax.chain(privacy.dp_noise(...), ...) with dp_noise first (anything after it is "
     "post-processing), or privacy.Mechanism(...).optimizer(tx), which puts it there."
   ),
+  "mask_not_said": (
+    "{caller}: mask_argnum is not given: a clipped function must say how its batches are "
+    "padded. PoissonSampler pads every batch with copies of example 0, and a clipped function "
+    "that does not take the mask counts each padding row as a real example: example 0 enters "
+    "updates it was not sampled for (19·C measured through microbatch, TrainStep and a "
+    "hand-written accumulate loop), and the printed (ε, δ) is false. Use mask_argnum=n, the "
+    "position of the batch's (B,) mask among the clipped function's arguments (right after the "
+    "batch arguments, e.g. mask_argnum=3 for loss(params, x, y); PoissonBatch.take(x, y) "
+    "returns the rows and the mask together), or privacy.Mechanism, whose clipped functions "
+    "always take it; or mask_argnum=None to declare batches without padding (every row a real "
+    "example)."
+  ),
   "unmasked_padding": (
     "{caller}: {option} {ON} means padded batches (PoissonSampler pads each one with copies of "
-    "example 0), but the clipped function has no mask_argnum: every padding row counts as a "
-    "real example, so example 0 enters updates it was not sampled for (3·C measured) and the "
-    "printed (ε, δ) is false. Use privacy.clipped_grad/clipped_loss(..., mask_argnum=n) and "
-    "pass the batch's mask (PoissonBatch.take(x, y) returns the rows and the mask together), "
-    "or privacy.Mechanism, whose clipped functions always take it."
+    "example 0), but the clipped function was built with mask_argnum=None (batches without "
+    "padding): every padding row counts as a real example, so example 0 enters updates it was "
+    "not sampled for (3·C measured) and the printed (ε, δ) is false. Use "
+    "privacy.clipped_grad/clipped_loss(..., mask_argnum=n) and pass the batch's mask "
+    "(PoissonBatch.take(x, y) returns the rows and the mask together), or privacy.Mechanism, "
+    "whose clipped functions always take it."
   ),
   "no_variance": (
     "{caller}: {ON} inside a map that does not track device variance (jax.shard_map(..., "
@@ -92,6 +105,17 @@ REFUSED: dict[str, str] = {
     "measured for bfloat16): the printed (ε, δ) is false. Use float32 parameters (cast them "
     "to the low-precision dtype inside the loss for its compute), or the in-step "
     "microbatch(privacy.clipped_grad(...)), whose sums stay float32 until the noise."
+  ),
+  "key_traced": (
+    "{caller}: the key is traced ({kind}): dp_noise was built under jax.jit, jax.vmap or "
+    "another transformation from a key passed or made inside it (a whole run jitted, "
+    "`jax.jit(train)(key)`; a sweep, `jax.vmap(train)(keys)`). The registry of keys drawn "
+    "from in this process sees only a key's value, so it cannot tell two such runs on one "
+    "key apart: they would draw the same noise without a word (difference 0.0 measured), "
+    "and the printed (ε, δ) would be false. Use a concrete key: build dp_noise (or "
+    "privacy.Mechanism) outside jax.jit/jax.vmap, e.g. noise = dp_noise(σ, C, B, "
+    "jax.random.key(seed)), and jit the step that uses it; for a sweep, one dp_noise per "
+    "run, each on its own key (jax.random.split(key, runs))."
   ),
   "key_reused": (
     "{caller}: this key (data {data}) was already given to a dp_noise in this process (a run "

@@ -99,8 +99,8 @@ def _key_data(key: Any) -> tuple[jax.Array, Any]:
 
 def _claim(data: jax.Array, impl: Any, allow: bool) -> None:
   """Records the key as drawn from in this process; raises if it was already (alive or not)."""
-  if isinstance(data, jax.core.Tracer):
-    return  # built under a transformation (vmapped over keys): no value to compare
+  if isinstance(data, jax.core.Tracer):  # built under jit/vmap: no value to compare
+    _guard.refuse("key_traced", "dp_noise", kind=type(data).__name__)
   fingerprint = str(impl).encode() + b":" + np.asarray(data).tobytes()
   if fingerprint in _DRAWN and not allow:
     _guard.refuse("key_reused", "dp_noise", data=np.asarray(data).tolist())
@@ -165,7 +165,9 @@ def dp_noise(
       ``jax.random.key(seed, impl="rbg")``, or the legacy ``PRNGKey``), used for nothing else;
       each run needs its own. It is secret: it regenerates every draw. With σ > 0 it is
       remembered for the life of the process: a second `dp_noise` on it is refused, whether or
-      not the first is still alive.
+      not the first is still alive; and it must be concrete (build `dp_noise` outside
+      `jax.jit`/`jax.vmap`, then jit the step that uses it): a traced key's value cannot be
+      remembered.
     allow_key_reuse: allow a key already drawn from in this process, for the one legitimate
       reuse: the same run resumed, its state restored at its update count (no draw repeats).
 
@@ -175,7 +177,8 @@ def dp_noise(
 
   Raises:
     TypeError, ValueError: for σ < 0, C <= 0, B <= 0 (or non-finite ones), a key that is not
-      a single PRNG key, a key already drawn from in this process (σ > 0), or an `l2_clip`
+      a single PRNG key, a key already drawn from in this process or a traced one (σ > 0:
+      `dp_noise` built under `jax.jit`/`jax.vmap` with the key an argument), or an `l2_clip`
       number ``C != 1`` when every live clipped function with clip norm ``C`` rescales to
       unit norm (the noise must follow their bound 1: pass the function); when tracing the
       update, inside a map without device-variance types (``shard_map(check_vma=False)``,
@@ -190,7 +193,8 @@ def dp_noise(
   sigma = _check_number(noise_multiplier, "noise_multiplier", positive=False)
   clip = _bound(l2_clip)
   batch = _check_number(expected_batch_size, "expected_batch_size", positive=True)
-  data, impl = _key_data(key)
+  with jax.ensure_compile_time_eval():  # a concrete key's data stays concrete under a trace
+    data, impl = _key_data(key)
   if not isinstance(data, jax.core.Tracer):
     # A host constant: a jax.Array made under a mesh would carry that mesh's sharding into
     # every program the update is traced in (a manual axis there: a mesh mismatch).
