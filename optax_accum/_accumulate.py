@@ -821,6 +821,7 @@ def _inner_update(cfg: Config, like: Any, finish: Finish, window: Window) -> tup
   sums, total, inner_state, params, extra, noise, sums_sq, finite = window
   if finite is not None:  # a private window's non-finite sums: dropped, the noise still added
     sums = _core.zeros_unless(finite, sums)
+    sums_sq = None if sums_sq is None else jnp.where(finite, sums_sq, 0.0)
   noise = _close_noise(noise, sums, total, _over_shards(cfg), sums_sq)
   extra = _with_figures(extra, inner_state, _figures(noise))
   g = _core.normalise(sums, total, like, cfg.normalisation)
@@ -890,8 +891,14 @@ def close_window(
   local = window.noise
   private = _checks.holds_private_state(window.inner_state)
   window = window if reduced else _global(cfg, window, like)
-  # The window's sums, read once at emission (global with an axis): `Config.sums_check`
-  finite = agreed(cfg, _core.all_finite(window.sums)) if cfg.sums_check else jnp.asarray(True)
+  # The window's sums, read once at emission (global with an axis): `Config.sums_check`. With
+  # the noise statistics their squared norm, which the statistics read anyway, is the check.
+  finite = jnp.asarray(True)
+  if cfg.sums_check and window.noise is not None and SQ_NORM_IS_FINITE_CHECK:
+    window = window._replace(sums_sq=_noise.sq_norm(window.sums, _over_shards(cfg)))
+    finite = agreed(cfg, _core.finite_from_sq_norm(window.sums_sq, window.sums, _collectives.cond))
+  elif cfg.sums_check:
+    finite = agreed(cfg, _core.all_finite(window.sums))
   apply = functools.partial(_inner_update, cfg, like, finish)
   if private:
     window = private_window(cfg, window, finite)
@@ -1012,9 +1019,14 @@ def _apply_if_finite(
   NaN/Inf here, on the micro-step that closes the window only (on a GPU each conditional that
   runs makes the host wait for its predicate, so the check adds none per micro-step); a window
   whose sums are not finite is dropped (its micro-batches counted by `advance`), or on a
-  private path its sums replaced by zeros under the noise (`private_window`). Returns the
-  branch's outputs and the verdict."""
-  finite = agreed(cfg, _core.all_finite(window.sums))
+  private path its sums replaced by zeros under the noise (`private_window`). With the noise
+  statistics the window's ``|Σ wᵢgᵢ|²``, read anyway, is the check (`_core.finite_from_sq_norm`,
+  exact): no second read of the sums. Returns the branch's outputs and the verdict."""
+  if window.sums_sq is not None and SQ_NORM_IS_FINITE_CHECK:  # read for the noise statistics
+    finite = _core.finite_from_sq_norm(window.sums_sq, window.sums, _collectives.cond)
+  else:
+    finite = _core.all_finite(window.sums)
+  finite = agreed(cfg, finite)
   if private:
     return apply(private_window(cfg, window, finite)), finite
   return _collectives.cond(finite, apply, empty, window), finite

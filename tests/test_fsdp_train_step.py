@@ -146,6 +146,12 @@ def test_train_step_collectives_per_window(layout, auto, keep):
     for kind, total in per_window.items():
       r = found[kind]
       assert r.in_loop == 0, (name, kind)  # no loop: one micro-batch per call
+      if name == "closing" and kind == "all-gather" and layout != "model":
+        # The window's finite verdict (issue 42: a window whose sums overflow is dropped)
+        # reads the sharded sums: at most one partial vector of a row's length gathered (and a
+        # scalar all-reduced). No parameter is gathered by the closing program.
+        assert r.runs <= 1 and r.bytes <= base.HIDDEN * 4, (name, r)
+        continue
       total[0] += r.outside * calls
       total[1] += r.bytes * calls
   gathers = {"nothing": K, "params": 1, "params_and_grads": 1}[keep]
@@ -153,7 +159,6 @@ def test_train_step_collectives_per_window(layout, auto, keep):
   assert per_window["reduce-scatter"] == [n * scatters, whole * scatters]
   if layout != "model":
     assert per_window["all-gather"] == [n * gathers, whole * gathers]
-    assert runs["closing"][0]["all-gather"].runs == 0
   elif keep != "nothing":  # (the tensor-parallel loss gathers over "model" in its programs)
     gather = runs["gather"][0]["all-gather"]
     assert (gather.outside, gather.bytes) == (n, whole)
