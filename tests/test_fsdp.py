@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 K = 4
 ROWS = 64  # the whole batch

@@ -4,7 +4,7 @@ It runs the large batch and the loop under test on the same data and reports, ch
 what differs (`AuditReport`). The reference side is computed here directly (``jax.grad`` of the
 loss on the whole batch and on each micro-batch, at the parameters each update started from);
 the side under test is the user's loop or the public front ends, run as a user runs them
-(`_audit_run`, `_audit_step`); the rows are `_audit_checks` and `_audit_collectives`.
+(`_run`, `_step`); the rows are `_checks` and `_collectives`.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _audit_checks as checks
-from optax_accum import _audit_collectives as collectives
-from optax_accum import _audit_keys as keys
-from optax_accum import _audit_run as run
-from optax_accum import _audit_step
-from optax_accum import _audit_through as through
-from optax_accum._audit_checks import TOL_UNITS, tolerance
-from optax_accum._audit_report import AuditReport, fit, flat, fmt, rel
+from optax_accum.auditing import _checks as checks
+from optax_accum.auditing import _collectives as collectives
+from optax_accum.auditing import _keys as keys
+from optax_accum.auditing import _run as run
+from optax_accum.auditing import _step
+from optax_accum.auditing import _through as through
+from optax_accum.auditing._checks import TOL_UNITS, tolerance
+from optax_accum.auditing._report import AuditReport, fit, flat, fmt, rel
 
 __all__ = ["TOL_UNITS", "audit", "tolerance"]
 
@@ -152,7 +152,7 @@ class Reference:
     return self._large[id(params)]
 
   def through(self, w: run.Window, from_start: bool = False) -> tuple[str, float]:
-    """A window judged through its optimizer (`_audit_through.compare`) against the large
+    """A window judged through its optimizer (`_through.compare`) against the large
     batch's gradient: from the state before its updating call, or from its window's start."""
     key = (id(w.through), from_start)
     if key not in self._through:
@@ -329,7 +329,7 @@ def _programs(s: run.Setup, out: run.Run) -> list[tuple[str, str]] | None:
 
 def _run(s: run.Setup, front_end: Any) -> run.Run:
   if s.step is not None:
-    return _audit_step.run_step(s)
+    return _step.run_step(s)
   if front_end in (None, "microbatch"):
     return run.run_in_step(s, None)
   if callable(front_end):
@@ -470,7 +470,7 @@ def audit(
   _check_rng(rng)
   if step is not None or micro_step is not None:
     what = "step" if step is not None else "micro_step"
-    _audit_step.check_signature(step or micro_step, what, rng is not None)
+    _step.check_signature(step or micro_step, what, rng is not None)
   _batch_size(batch, k)
   s = _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name,
              accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip

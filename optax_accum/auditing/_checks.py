@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _audit_keys as keys
-from optax_accum import _audit_run as run
-from optax_accum._audit_collectives import data_axis
-from optax_accum._audit_report import (
+from optax_accum.auditing import _keys as keys
+from optax_accum.auditing import _run as run
+from optax_accum.auditing._collectives import data_axis
+from optax_accum.auditing._report import (
   Check,
   coefficients,
   fit,
@@ -29,7 +29,7 @@ from optax_accum._audit_report import (
   rel,
   worst,
 )
-from optax_accum._audit_through import compare as through_compare
+from optax_accum.auditing._through import compare as through_compare
 
 # Float error allowed, in units of k·eps(dtype): the large batch and k micro-batches sum the
 # same terms in different orders, and each of the k partial results carries its own rounding.
@@ -379,7 +379,7 @@ def optax_apply(p: Any, u: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# A whole step whose optimizer the gradient cannot be read back through (`_audit_through`).
+# A whole step whose optimizer the gradient cannot be read back through (`_through`).
 
 
 def _through_updates(s: run.Setup, ref: Any, out: run.Run, names: tuple[str, str]) -> list[Check]:

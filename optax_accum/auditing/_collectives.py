@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_accum import _hlo
-from optax_accum._audit_report import Check
+from optax_accum.auditing._report import Check
+from optax_accum.core import _hlo
 
 # Collectives whose result holds fewer bytes than this are scalars (loss, weight, finite flags)
 # and are not counted as gradient reductions.

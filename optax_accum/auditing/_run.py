@@ -20,12 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _audit_keys as keys
-from optax_accum._accumulate import AccumulateState, accumulate, holds_sums
-from optax_accum._data_parallel import data_parallel
-from optax_accum._microbatch import microbatch
-from optax_accum._sharding import state_partition_specs
-from optax_accum._train_step import TrainStep
+from optax_accum.auditing import _keys as keys
+from optax_accum.core import _hlo
+from optax_accum.core._state import AccumulateState, holds_sums
+from optax_accum.front_ends._accumulate import accumulate
+from optax_accum.front_ends._microbatch import microbatch
+from optax_accum.front_ends._train_step import TrainStep
+from optax_accum.parallel._data_parallel import data_parallel
+from optax_accum.parallel._sharding import state_partition_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +123,7 @@ class Run(NamedTuple):
   accumulator: Any  # the accumulator's arrays (or their shapes), None where not visible
   across: bool  # the loop spans calls (the window length is measured)
   note: str = ""  # why the windows carry no gradient or update, where they do not
-  # The loop's compiled programs, ``[(kind, hlo_text)]`` (kinds as `_audit_collectives` reads
+  # The loop's compiled programs, ``[(kind, hlo_text)]`` (kinds as `_collectives` reads
   # them), made on demand: a function of nothing, or None where the audit cannot see them.
   programs: Callable[[], list[tuple[str, str]]] | None = None
 
@@ -401,8 +403,6 @@ def run_data_parallel(s: Setup) -> Run:
 def peak_bytes(s: Setup, program: str) -> tuple[int | None, int | None]:
   """Compiled peak bytes of the accumulated step (`program`, or one micro-step's gradient) and
   of the large batch's gradient."""
-  from optax_accum import _hlo
-
   s.grad(s.params, s.batch), s.grad(s.params, s.micro[0])  # compiled here if not yet
   name = program if program in s.compiled else "micro"
   return _hlo.memory(s.compiled[name]).get("peak"), _hlo.memory(s.compiled["large"]).get("peak")

@@ -9,7 +9,7 @@ and Lion's first moment, a momentum trace, SGD's update), ``a + b ⊙ g`` with `
 the gradient is ``(leaf - a) / b``: exact up to the leaf's own rounding (for SGD's update, one
 rounding of the parameters, which the audit adds to its threshold). A state leaf is preferred
 over the update for that reason. Where none is (clipping that acts, Adafactor, Muon,
-schedule-free), the update is kept to be judged through the optimizer (`_audit_through`).
+schedule-free), the update is kept to be judged through the optimizer (`_through`).
 
 A step that takes the whole batch makes one update per call (the accumulation is inside it); a
 step that takes one micro-batch (`optax.MultiSteps`, `accumulate`, a `TrainStep`) is fed
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum import _audit_run as run
-from optax_accum._audit_through import Through, applied, placed
-from optax_accum._train_step import TrainStep
+from optax_accum.auditing import _run as run
+from optax_accum.auditing._through import Through, applied, placed
+from optax_accum.front_ends._train_step import TrainStep
 
 # A leaf is read as affine in the gradient when a random gradient's value is predicted by
 # ``a + b ⊙ g`` to this relative error (float32 rounding of a, b and the prediction is ~1e-7).
@@ -122,7 +122,7 @@ def read_back(
   inner_after: Any,
   params_after: Any,
 ) -> ReadBack | None:
-  """The gradient for which the optimizer's step `apply` (`_audit_through.applied`) from
+  """The gradient for which the optimizer's step `apply` (`_through.applied`) from
   `inner_before` at `params` gives `inner_after` and `params_after`, from the first leaf (state
   first, then the update) that is elementwise affine in it; None where none is."""
   update = lambda g: apply(g, inner_before, params)
@@ -323,7 +323,7 @@ def check_signature(step: Any, what: str, keyed: bool) -> None:
 
 def run_step(s: run.Setup) -> run.Run:
   """The user's step, `num_updates` updates, each read back through the optimizer (or kept to
-  be judged through it, `_audit_through`)."""
+  be judged through it, `_through`)."""
   call = _call(s)
   template = s.optimizer.init(s.params)
   if s.per_micro_batch:

@@ -1,6 +1,6 @@
 """Judging a whole step through its optimizer, where the gradient cannot be read back.
 
-`_audit_step.read_back` recovers the gradient a step's optimizer received where the optimizer
+`_step.read_back` recovers the gradient a step's optimizer received where the optimizer
 is elementwise affine in it. Behind one that is not — `clip_by_global_norm` that acts,
 Adafactor, Muon's orthogonalisation, schedule-free — nothing recovers it. But the optimizer is
 known (it is the user's) and deterministic, and so is what the step must have produced: the
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum._audit_report import leaf_rel_diffs, worst
+from optax_accum.auditing._report import leaf_rel_diffs, worst
 
 # Roundings of an output entry's own dtype allowed between the step's program and the audit's.
 OUTPUT_ULPS = 4

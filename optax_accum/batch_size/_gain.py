@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_accum import _find
+from optax_accum.core import _find
 
 Rule = Literal["linear", "sqrt"]
 

@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _checks, _find
+from optax_accum.core import _checks, _find
 
 # The EMA decay of T and Q (one step per closed window). An EMA of decay β averages about
 # (1 + β)/(1 − β) = 39 windows at 0.95, which cuts the spread of one window's estimate about
@@ -70,7 +70,7 @@ class NoiseState(NamedTuple):
   # Σ wᵢ|gᵢ|² over the open window's kept micro-batches; under an axis, this device's part.
   # Stale after `close` until the next `add` restarts it (lazy reset, as the accumulator).
   # With skip_nonfinite="window" (each gradient read once), its estimate n·w_n|g_n|² from the
-  # window's last micro-batch alone, added when the window closes (`_accumulate.sampled_sq_norm`).
+  # window's last micro-batch alone, added when the window closes (`_window.sampled_sq_norm`).
   sq_sum: jax.Array  # shape=(), dtype=jnp.float32
   count: jax.Array  # shape=(), dtype=jnp.float32: kept micro-batches (per device, likewise)
   # Σ wᵢ of the open window's kept micro-batches in units of the statistics (see `add`): the W
@@ -87,12 +87,11 @@ class NoiseScale(NamedTuple):
   """The gradient noise scale, as `noise_scale` reports it (float32 scalars).
 
   `grad_sq` and `trace_cov` are the bias-corrected EMAs of the window estimates Q and T (see
-  `optax_accum._noise`), `b_simple` their ratio, in units of the micro-batch weight (global
-  micro-batches by default, on any number of devices; examples or tokens when the weights
-  count them). All are NaN
-  until a window with at least two kept micro-batches has closed. `b_simple` is negative or
-  infinite if the smoothed `grad_sq` is not positive: the noise swamps the gradient at this
-  window size, and a larger window is needed to measure it.
+  `optax_accum.batch_size._noise`), `b_simple` their ratio, in units of the micro-batch weight
+  (global micro-batches by default, on any number of devices; examples or tokens when the weights
+  count them). All are NaN until a window with at least two kept micro-batches has closed.
+  `b_simple` is negative or infinite if the smoothed `grad_sq` is not positive: the noise swamps the
+  gradient at this window size, and a larger window is needed to measure it.
   """
 
   grad_sq: jax.Array  # smoothed ``|G|²``, the squared norm of the true gradient
@@ -471,7 +470,7 @@ def noise_scale(state: Any) -> NoiseScale:
 
   Raises:
     ValueError: if `state` holds no noise statistics (``noise_scale=False``), or several
-      (`optax_accum._find`, shared with `has_updated` and `progress`).
+      (`optax_accum.core._find`, shared with `has_updated` and `progress`).
 
   >>> from optax_accum import _noise
   >>> _noise.noise_scale((_noise.init(), ())).window_trace_cov

@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, PartitionSpec
 
-from optax_accum._typing import ArgNums, Split
+from optax_accum.core._typing import ArgNums, Split
 
 
 class Positions(NamedTuple):

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._typing import REDUCTIONS, Reduction
+from optax_accum.core._typing import REDUCTIONS, Reduction
 
 # The window counters are int32 (a state that is a `lax.scan` carry needs fixed dtypes).
 MAX_WINDOW = int(np.iinfo(np.int32).max)

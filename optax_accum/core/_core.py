@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _checks
-from optax_accum._typing import DType, Reduction
+from optax_accum.core import _checks
+from optax_accum.core._typing import DType, Reduction
 
 
 def _is_float(x) -> bool:

@@ -578,7 +578,7 @@ def collective_runs(hlo_text: str, *, min_bytes: int = 0) -> dict[str, Collectiv
 
   >>> import jax, jax.numpy as jnp, optax_accum
   >>> text = jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text()
-  >>> optax_accum._hlo.collective_runs(text)["all-reduce"].runs
+  >>> optax_accum.core._hlo.collective_runs(text)["all-reduce"].runs
   0
   """
   comps, entry = computations(hlo_text)

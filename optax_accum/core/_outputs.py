@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optax_accum._typing import OUT_REDUCTIONS
+from optax_accum.core._typing import OUT_REDUCTIONS
 
 _HINTS = {
   "avg": "mean",

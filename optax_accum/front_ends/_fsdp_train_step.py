@@ -34,8 +34,10 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _batch, _collectives, _core, _fsdp, _gspmd, _sharding
-from optax_accum._accumulate import AccumulateState
+from optax_accum.core import _batch, _core, _state
+from optax_accum.core._state import AccumulateState
+from optax_accum.front_ends import _accumulate, _config, _host, _window
+from optax_accum.parallel import _collectives, _fsdp, _gspmd, _sharding
 
 REFUSED = {
   "axis_name": (
@@ -265,9 +267,9 @@ class FsdpSteps:
       state.grad_sum, mine,
     )  # fmt: skip
     total = jnp.where(restart, jnp.zeros_like(state.acc_weight), state.acc_weight) + w
-    window = _accumulate.Window(sums, total, state.inner_state, None, {}, None)
-    closed = _accumulate.keep_open(_accumulate.APPLY, window)
-    state = _accumulate.advance(cfg, state, sums, total, dropped, closed, False)
+    window = _window.Window(sums, total, state.inner_state, None, {}, None)
+    closed = _window.keep_open(_window.APPLY, window)
+    state = _window.advance(cfg, state, sums, total, dropped, closed, False)
     return state, owner._over_devices(value)
 
   def _reduce(self, path: Any, x: jax.Array) -> jax.Array:
@@ -286,21 +288,20 @@ class FsdpSteps:
     """This device's gradient of its piece of the micro-batch (with respect to the whole
     parameters, made device-varying so that autodiff reduces nothing), its weight, checked as
     `TrainStep` checks them, and the loss value."""
-    from optax_accum._train_step import _in_trainstep_words  # noqa: PLC0415 (no cycle)
 
     owner = self.owner
     value, grads = owner._grad(owner._cfg.axis.to_varying(forward), *args)
-    grads = _batch.none_for_static(_accumulate._gradient_like(grads))
+    grads = _batch.none_for_static(_state.gradient_like(grads))
     if owner._weight_fn is not None:
       weight = owner._weight_fn(*args)
     like = state._replace(grad_sum=grads)  # the whole gradient's tree, for the checks
     try:
-      weight = _accumulate.check_update(
+      weight = _config.check_update(
         self.state_cfg._replace(axis=_collectives.NO_AXIS), grads, like, None, weight, False,
         False, "TrainStep",
       )  # fmt: skip
     except (TypeError, ValueError) as e:
-      raise _in_trainstep_words(e) from None
+      raise _host.in_trainstep_words(e) from None
     return grads, weight, value
 
   def _add_per_device(self, forward, state, args, weight):
@@ -313,12 +314,12 @@ class FsdpSteps:
 
   def _close_global(self, params, state):
     """The closing program of "nothing" and "params": the window closed from the global state
-    (`_accumulate.close_from_state`: normalise, inner update, apply) under GSPMD, on the
+    (`_window.close_from_state`: normalise, inner update, apply) under GSPMD, on the
     sharded parameters, sums and optimizer state."""
     hidden = params
     params = _batch.none_for_static(hidden)
-    like = _accumulate._gradient_like(params)
-    new_params, state = _accumulate.close_from_state(self.state_cfg, state, params, like)
+    like = _state.gradient_like(params)
+    new_params, state = _window.close_from_state(self.state_cfg, state, params, like)
     return _batch.restore_static(new_params, hidden), state
 
   def _close_per_device(self, params, state):
@@ -326,7 +327,7 @@ class FsdpSteps:
     once (the FSDP parameters'; the others' and the scalars all-reduced), then the window
     closed from that global view as for the other points; the state keeps its per-device
     fields (the spent sums stay, lazily reset, except on a private path, where they are zeroed:
-    `_accumulate.private_spent`; a window dropped by ``skip_nonfinite="window"`` is counted on
+    `_window.private_spent`; a window dropped by ``skip_nonfinite="window"`` is counted on
     the first device)."""
     sums, total, skipped = self._bound(
       self._bound_reduce, (state,), _sharding.per_device_specs, self._reduced_specs
@@ -335,12 +336,12 @@ class FsdpSteps:
     cfg = self.state_cfg._replace(axis=_collectives.NO_AXIS)
     hidden = params
     arrays = _batch.none_for_static(hidden)
-    like = _accumulate._gradient_like(arrays)
-    new_params, closed = _accumulate.close_from_state(cfg, view, arrays, like)
+    like = _state.gradient_like(arrays)
+    new_params, closed = _window.close_from_state(cfg, view, arrays, like)
     first = jnp.arange(state.num_skipped.shape[0]) == 0
     counted = state.num_skipped + jnp.where(first, closed.num_skipped - skipped, 0)
     spent = (state.grad_sum, state.acc_weight)
-    sums, total = _accumulate.private_spent(closed.inner_state, True, spent)
+    sums, total = _window.private_spent(closed.inner_state, True, spent)
     new = closed._replace(grad_sum=sums, acc_weight=total, num_skipped=counted)
     return _batch.restore_static(new_params, hidden), new
 

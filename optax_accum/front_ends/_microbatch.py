@@ -29,16 +29,23 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _batch, _checks, _collectives, _fsdp, _gspmd, _nnx, _outputs, _scan
-from optax_accum._typing import SPLITS, ArgNums, AxisName, DType, Split
-
-STATE_OUT_MISSING = (
-  "microbatch: state_argnums={argnums} needs `state_out`, a function that picks the new state "
-  "out of `fun`'s output, e.g. for `jax.value_and_grad(loss, has_aux=True)` whose aux is the "
-  "new batch_stats:\n\n"
-  "    step = microbatch(jax.value_and_grad(loss, has_aux=True), k, state_argnums=2,\n"
-  "                      state_out=lambda out: out[0][1])\n"
+from optax_accum.core import _batch, _checks, _outputs
+from optax_accum.core._typing import SPLITS, ArgNums, AxisName, DType, Split
+from optax_accum.front_ends import _nnx, _scan
+from optax_accum.front_ends._microbatch_checks import (
+  DEFAULT_SPLIT,
+  check_bool,
+  check_callables,
+  check_noise,
+  check_noise_once,
+  check_num_real,
+  check_sizes,
+  check_skip,
+  check_split,
+  private_options,
+  trip_count,
 )
+from optax_accum.parallel import _collectives, _fsdp, _gspmd
 
 UNNAMED_BATCH = (
   "microbatch: fun failed on one micro-batch ({b} of the batch's {size} rows; batch arguments: "
@@ -67,15 +74,6 @@ AVERAGED_ROWS = (
 )
 
 
-AUX_ROWS_NEED_REDUCTION = (
-  "microbatch: fun differentiates privacy.clipped_loss(..., has_aux=True), whose aux holds one "
-  "row per example; the default reduction of a private function sums every output, rows too, "
-  "and where jax.value_and_grad or jax.grad puts the aux is not known here. Name it: "
-  "reduction=(('sum', 'concat'), 'sum') for jax.value_and_grad(f, has_aux=True) (the rows in "
-  "the batch's order), reduction=('sum', 'concat') for jax.grad(f, has_aux=True)."
-)
-
-
 class _DefaultReduction(str):
   """The default "mean", told apart from a "mean" the caller asked for (`_warn_averaged_rows`)."""
 
@@ -84,26 +82,6 @@ class _DefaultReduction(str):
 
 DEFAULT_MEAN = _DefaultReduction("mean")
 
-
-class _DefaultSplit(str):
-  """The default "strided", told apart from a "strided" the caller asked for (`_check_split`)."""
-
-  __slots__ = ()
-
-
-DEFAULT_SPLIT = _DefaultSplit("strided")
-
-PADDED_SPLIT = (
-  "microbatch: num_real_microbatches={n} runs the first micro-batches only, and which rows they "
-  "hold depends on split, here left at its default 'strided' (micro-batch i is rows i, i+k, "
-  "i+2k, ...): the real rows would have to be those with row % k < n. The usual padded batch "
-  "has its real rows first (padded at its end, e.g. np.pad), and with the strided split that "
-  "runs real and padding rows alike and leaves real rows out, silently. Say how the batch is "
-  "laid out: split='contiguous' for a batch padded at its end (micro-batch i is rows i*b to "
-  "i*b + b - 1, so the first n micro-batches are the first n*b rows), or split='strided' for "
-  "rows laid out so that row r is real when r % k < n (privacy.PoissonSampler(split='strided') "
-  "lays its batches out so)."
-)
 
 LAYOUT_MISMATCH = (
   "microbatch: {lost} of the batch's {real} real rows (argument {at}, the mask, nonzero) sit "
@@ -120,75 +98,6 @@ LAYOUT_MISMATCH = (
 
 # ----------------------------------------------------------------------------------------------
 # Argument checks (factory time).
-
-
-def _check_callables(fun: Any, weight_fn: Any, state_out: Any, states: tuple[int, ...]) -> None:
-  if not callable(fun):
-    raise TypeError(f"microbatch: fun must be callable, got {fun!r}.")
-  if weight_fn is not None and not callable(weight_fn):
-    raise TypeError(f"microbatch: weight_fn must be callable or None, got {weight_fn!r}.")
-  if states and state_out is None:
-    raise ValueError(STATE_OUT_MISSING.format(argnums=states[0]))
-  if state_out is not None and not states:
-    raise ValueError(
-      "microbatch: state_out is given but state_argnums is empty; name the "
-      "state arguments with state_argnums."
-    )
-
-
-def _check_sizes(num_microbatches: Any, microbatch_size: Any) -> tuple[int | None, int | None]:
-  """``(k, None)`` or ``(None, microbatch_size)``: exactly one of the two is given."""
-  if (num_microbatches is None) == (microbatch_size is None):
-    got = "neither" if num_microbatches is None else "both"
-    raise TypeError(
-      "microbatch: give exactly one of num_microbatches (how many micro-batches) and "
-      f"microbatch_size (examples per micro-batch), got {got}."
-    )
-  if microbatch_size is None:
-    return _checks.positive_int(num_microbatches, "num_microbatches", "microbatch"), None
-  return None, _checks.positive_int(microbatch_size, "microbatch_size", "microbatch")
-
-
-def check_num_real(value: Any, k: int | None, *, sized: bool = False) -> int | jax.Array | None:
-  """`num_real_microbatches`: None, a host int in ``[0, k]``, or an integer scalar array
-  (clamped into ``[0, k]`` where it is used). `sized`: `k` came from `microbatch_size`.
-
-  The one check of the count: at factory time (`k` None when not known yet), per call once
-  `k` is known, and by `plan_microbatches`.
-  """
-  if value is None:
-    return None
-  if isinstance(value, np.ndarray) and value.ndim == 0:
-    value = value[()]  # a 0-d NumPy array is a host value too
-  if isinstance(value, int | np.integer) and not isinstance(value, bool | np.bool_):
-    if sized and value > k:
-      raise ValueError(
-        f"microbatch: num_real_microbatches={value} is more than the {k} micro-batches this "
-        "batch holds (batch size / microbatch_size)."
-      )
-    if value < 0 or (k is not None and value > k):
-      upper = f"num_microbatches={k}" if k is not None else "num_microbatches"
-      raise ValueError(f"microbatch: num_real_microbatches must be in [0, {upper}], got {value}.")
-    return int(value)
-  if (
-    isinstance(value, jax.Array) and value.shape == () and jnp.issubdtype(value.dtype, jnp.integer)
-  ):
-    return value
-  what = f"{value.dtype}{list(value.shape)}" if isinstance(value, jax.Array) else repr(value)
-  raise TypeError(
-    "microbatch: num_real_microbatches must be None, an int, or an integer scalar array (e.g. "
-    f"traced under jax.jit), got {what} of type {type(value).__name__}."
-  )
-
-
-def _trips(num_real: int | jax.Array | None, k: int, sized: bool) -> int | jax.Array:
-  """How many micro-batches run: k, a checked host int, or a device scalar clamped into [0, k]."""
-  num_real = check_num_real(num_real, k, sized=sized)
-  if num_real is None:
-    return k
-  if isinstance(num_real, int):
-    return num_real
-  return jnp.clip(num_real, 0, k).astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -443,10 +352,10 @@ def microbatch(
   True
   """
   pos = _batch.positions(batch_argnums, batch_argnames, batch_axes, rng_argnums, state_argnums)
-  _check_callables(fun, weight_fn, state_out, pos.states)
+  check_callables(fun, weight_fn, state_out, pos.states)
   private = _checks.private_fun(fun)
   if private:
-    reduction, skip_nonfinite = _private_options(
+    reduction, skip_nonfinite = private_options(
       fun, reduction, weight_fn, noise_scale, pos.states, accum_dtype
     )
     if num_real_microbatches is not None:  # padded batches: the mask must be used
@@ -455,10 +364,10 @@ def microbatch(
     reduction = DEFAULT_MEAN
   if split not in SPLITS:
     raise ValueError(f"microbatch: split must be one of {SPLITS}, got {split!r}.")
-  k, size = _check_sizes(num_microbatches, microbatch_size)
+  k, size = check_sizes(num_microbatches, microbatch_size)
   keep_unsharded = _fsdp.check_options(keep_unsharded, axis_name, in_shardings)
   num_real = check_num_real(num_real_microbatches, k)
-  _check_split(fun, split, num_real, k)
+  check_split(fun, split, num_real, k)
   opts = _scan.Options(
     fun=fun,
     k=k,
@@ -470,9 +379,9 @@ def microbatch(
     state_out=state_out,
     accum_dtype=_checks.accum_dtype(accum_dtype, "microbatch"),
     split=split,
-    skip_nonfinite=_check_skip(skip_nonfinite),
-    return_info=_check_bool(return_info, "return_info") or noise_scale is not None,
-    noise=_check_noise(noise_scale),
+    skip_nonfinite=check_skip(skip_nonfinite),
+    return_info=check_bool(return_info, "return_info") or noise_scale is not None,
+    noise=check_noise(noise_scale),
     axis_name=axis_name,
     mesh=mesh,
     unroll=_scan.check_unroll(unroll),
@@ -496,92 +405,6 @@ def _call(opts: _scan.Options, args: tuple, kwargs: dict[str, Any]) -> Any:
   if axis.mode == "unbound":
     return _bind(opts._replace(axis=axis), args, kwargs)
   return _run(opts._replace(axis=axis), args, kwargs)
-
-
-def _private_options(
-  fun: Any, reduction: Any, weight_fn: Any, noise_scale: Any, states: tuple, accum_dtype: Any
-) -> tuple[Any, bool]:
-  """The privacy contract of `microbatch` on a private function (`privacy.clipped_grad`,
-  ``jax.value_and_grad(privacy.clipped_loss(...))``): the options that would change the
-  sensitivity raise (`_checks.PRIVATE_REFUSED`); the default reduction is the function's own
-  (``ClippedGrad.reduction``, else "sum"); and no micro-batch is ever dropped (returns
-  ``skip_nonfinite=False``): a non-finite per-example gradient already counts 0 in clipping,
-  and dropping a whole micro-batch for a non-finite loss value would remove up to ``b·C``."""
-  if reduction is None and _checks.private_aux_rows(fun):
-    raise ValueError(AUX_ROWS_NEED_REDUCTION)
-  if reduction is None:
-    reduction = _checks.private_reduction(fun)
-  if any(r == "mean" for r in jax.tree.leaves(_outputs.check_reduction(reduction))):
-    _checks.refuse_private("reduction_mean", "microbatch")
-  if weight_fn is not None:
-    _checks.refuse_private("weight_fn", "microbatch")
-  if noise_scale is not None:
-    _checks.refuse_private("noise_scale", "microbatch")
-  if states:
-    _checks.refuse_private("state_argnums", "microbatch")
-  dtype = _checks.accum_dtype(accum_dtype, "microbatch")
-  if dtype is not None and _checks.narrow_float(dtype):
-    _checks.refuse_private("accum_dtype", "microbatch", dtype=dtype.name)
-  return reduction, False
-
-
-def _check_split(fun: Any, split: Any, num_real: Any, k: int | None) -> None:
-  """Raises `PADDED_SPLIT` for `num_real_microbatches` with the default split, where the
-  batch's layout decides which rows run and nothing says it: not with one micro-batch, nor a
-  count of all of them, nor for a private function with a mask (its real rows are checked
-  against the split: `_misplaced_rows`)."""
-  if num_real is None or not isinstance(split, _DefaultSplit) or k == 1:
-    return
-  if isinstance(num_real, int) and num_real == k:
-    return
-  if _checks.private_mask_argnum(fun) is not None:
-    return
-  n = num_real if isinstance(num_real, int) else "n"
-  raise ValueError(PADDED_SPLIT.format(n=n))
-
-
-def _check_noise(value: Any) -> Any:
-  if value is None or callable(value):
-    return value
-  if isinstance(value, bool) or not isinstance(value, int | np.integer):
-    raise TypeError(
-      "microbatch: noise_scale must be None, an int (the gradient's position in fun's output, "
-      f"e.g. 1 for jax.value_and_grad) or a selector `lambda out: ...`, got {value!r}."
-    )
-  return int(value)
-
-
-def _check_noise_once(leaves: tuple[int, ...]) -> None:
-  """Each gradient leaf once: a selector that names one twice would count its squares twice
-  (doubling T and Q)."""
-  twice = sorted({n for n in leaves if leaves.count(n) > 1})
-  if twice:
-    raise ValueError(
-      f"microbatch: noise_scale selects output leaves {twice} more than once; it must select "
-      "each leaf of the gradient once (e.g. noise_scale=1 for jax.value_and_grad's (value, "
-      "grad), or `lambda out: out[1]`), or T and Q would count them twice."
-    )
-
-
-def _check_skip(value: Any) -> bool | int | Callable[[Any], Any]:
-  """`skip_nonfinite`: a bool, an int (an output entry) or a selector of the deciding outputs."""
-  if isinstance(value, bool | np.bool_):
-    return bool(value)
-  if callable(value):
-    return value
-  if isinstance(value, int | np.integer):
-    return int(value)
-  raise TypeError(
-    f"microbatch: skip_nonfinite must be a bool, got {value!r}; or name the outputs whose "
-    "NaN/Inf drops a micro-batch: an int (their entry in fun's output, e.g. 1 for "
-    "jax.value_and_grad's gradient) or a selector `lambda out: ...`."
-  )
-
-
-def _check_bool(value: Any, name: str) -> bool:
-  if not isinstance(value, bool | np.bool_):
-    raise TypeError(f"microbatch: {name} must be a bool, got {value!r}.")
-  return bool(value)
 
 
 def _bind(opts: _scan.Options, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -645,7 +468,7 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   pos = _batch.resolve(opts.positions, len(args), kwargs)
   size, k = _batch.num_microbatches(pos, args, kwargs, opts.k, opts.microbatch_size)
   opts = opts._replace(k=k)
-  trips = _trips(opts.num_real, k, sized=opts.microbatch_size is not None)
+  trips = trip_count(opts.num_real, k, sized=opts.microbatch_size is not None)
   _batch.check_keys(args, pos.rngs)
   if opts.fsdp is not None and not opts.fsdp.gathers_in_loop:  # gathered once, for the window
     args, kwargs = opts.fsdp.gather(tuple(args), kwargs)
@@ -762,7 +585,7 @@ def _plan(opts: _scan.Options, pos, operands, state0: tuple, size: int) -> _outp
   _outputs.check_rows(tree, like, kinds, size // opts.k, size, _named(pos))
   _warn_averaged_rows(opts, pos, operands, out_t, kinds, size)
   noise = _outputs.noise_leaves(opts.noise, tree, kinds)
-  _check_noise_once(noise)
+  check_noise_once(noise)
   decide = _outputs.deciding_leaves(opts.skip_nonfinite, tree, kinds)
   return _outputs.Plan(tree, tuple(like), tuple(kinds), state, noise, total, decide)
 
@@ -797,7 +620,8 @@ def _warn_averaged_rows(opts: _scan.Options, pos, operands, out_t, kinds, size: 
 
 def _caller_level() -> int:
   """The `stacklevel` of the first frame outside this package (the caller's call)."""
-  here, frame, level = os.path.dirname(__file__), sys._getframe(1), 1
+  here = os.path.dirname(os.path.dirname(__file__))  # the package: front_ends/ is one folder
+  frame, level = sys._getframe(1), 1
   while frame is not None and frame.f_code.co_filename.startswith(here):
     frame, level = frame.f_back, level + 1
   return level

@@ -24,7 +24,8 @@ from typing import Any
 
 import jax
 
-from optax_accum import _batch, _checks, _scan
+from optax_accum.core import _batch, _checks
+from optax_accum.front_ends import _scan
 
 NESTED = (
   "microbatch: {where} holds an NNX object ({kind}) inside a container. NNX objects change in "

@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_accum import _batch, _fsdp, _hlo, _microbatch
+from optax_accum.core import _batch, _hlo
+from optax_accum.front_ends import _microbatch, _microbatch_checks
+from optax_accum.parallel import _fsdp
 
 NO_LIMIT = (
   "plan_microbatches: memory_limit=None asks the device for its memory limit, but {device} "
@@ -102,7 +104,7 @@ def _candidates(args: tuple, kwargs: dict[str, Any], options: dict[str, Any]) ->
       "micro-batch to plan. Pass the shapes of a real batch (arrays or jax.ShapeDtypeStruct)."
     )
   size //= _devices(options)  # with axis_name each device splits its own rows into k pieces
-  n = _microbatch.check_num_real(options.get("num_real_microbatches"), None)
+  n = _microbatch_checks.check_num_real(options.get("num_real_microbatches"), None)
   least = n if isinstance(n, int) else 1
   if least > size:
     raise ValueError(
@@ -131,18 +133,16 @@ def plan_microbatches(
 ) -> MicrobatchPlan:
   """Picks the smallest `num_microbatches` whose compiled `microbatch(fun, k)` fits in memory.
 
-  The candidates are the divisors of the batch size ``B`` (read as `microbatch` reads it: the
-  batch arguments named by `batch_argnums`/`batch_argnames`, along `batch_axes`), and only
-  those ``k >= n`` for a Python-int `num_real_microbatches` ``n``. Each candidate is compiled
-  with ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args, **kwargs).compile()`` —
-  never run —
-  and its peak is ``argument + output + temp - alias`` bytes from the compiled program's
-  ``memory_analysis()`` (`optax_accum._hlo.peak_bytes`). The search gallops up the divisors (1st,
-  2nd, 4th, 8th, … smallest) until one fits, then bisects between the last that did not fit
-  and the first that did, so it compiles ``O(log #divisors)`` programs, and usually one or two.
-  It assumes, as XLA's estimates show in practice, that more micro-batches never need more
-  memory; the returned ``k`` fits and the next smaller divisor (when there is one) was compiled
-  and does not.
+  The candidates are the divisors of the batch size ``B`` (read as `microbatch` reads it: the batch
+  arguments named by `batch_argnums`/`batch_argnames`, along `batch_axes`), and only those ``k >=
+  n`` for a Python-int `num_real_microbatches` ``n``. Each candidate is compiled with
+  ``jax.jit(microbatch(fun, k, **microbatch_kwargs)).lower(*args, **kwargs).compile()`` — never run
+  — and its peak is ``argument + output + temp - alias`` bytes from the compiled program's
+  ``memory_analysis()`` (`optax_accum.core._hlo.peak_bytes`). The search gallops up the divisors
+  (1st, 2nd, 4th, 8th, … smallest) until one fits, then bisects between the last that did not fit
+  and the first that did, so it compiles ``O(log #divisors)`` programs, and usually one or two. It
+  assumes, as XLA's estimates show in practice, that more micro-batches never need more memory; the
+  returned ``k`` fits and the next smaller divisor (when there is one) was compiled and does not.
 
   FSDP: with ``keep_unsharded`` a sequence of points (e.g. ``("nothing", "params",
   "params_and_grads")``, see `microbatch`), it answers which point and which ``k`` to run

@@ -28,8 +28,10 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optax_accum import _batch, _checks, _collectives, _core, _fsdp, _gspmd, _noise, _outputs
-from optax_accum._typing import AxisName, Split
+from optax_accum.batch_size import _noise
+from optax_accum.core import _batch, _checks, _core, _outputs
+from optax_accum.core._typing import AxisName, Split
+from optax_accum.parallel import _collectives, _fsdp, _gspmd
 
 
 class MicrobatchInfo(NamedTuple):

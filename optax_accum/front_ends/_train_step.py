@@ -5,12 +5,12 @@ for a device conditional (`lax.cond`), which on CPU makes the zero updates and t
 application real memory passes and on GPU makes the host wait for the predicate
 (openxla/xla `xla/backends/gpu/runtime/conditional_thunk.cc`). `TrainStep` compiles
 
-* the accumulating program: ``grad → add → advance`` (`_accumulate`'s pieces) on the state
-  with its inner state hollow (`_hollow`): it only reads the parameters and never sees the inner
-  state, so neither is passed in and handed back (every array a call passes costs it dispatch
+* the accumulating program: ``grad → add → advance`` (`_window`'s pieces) on the state
+  with its inner state hollow (`_host.hollow`): it only reads the parameters and never sees the
+  inner state, so neither is passed in and handed back (every array a call passes costs it dispatch
   time), and no update is computed at all;
 * the closing program, on ``(params, state)`` only: ``close_window(finish = apply the
-  updates) → advance`` from the state's accumulator (`_accumulate.close_from_state`). The
+  updates) → advance`` from the state's accumulator (`_window.close_from_state`). The
   emitting micro-step runs the accumulating program, then this one: the backward pass is
   compiled once (two programs compile in about the time of the protocol path's one), for one
   more dispatch per window. With every_k = 1 (no accumulator) one program does
@@ -20,7 +20,7 @@ application real memory passes and on GPU makes the host wait for the predicate
   dispatch per micro-step;
 * with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
   all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
-  that leaf only (`_close_leafwise`), so XLA's scheduler can start it while the backward pass
+  that leaf only (`_window.close_leafwise`), so XLA's scheduler can start it while the backward pass
   still computes the gradients of earlier layers (what PyTorch DDP's buckets do after
   ``no_sync``), instead of all-reducing the whole window after the whole backward pass. The
   price: the backward pass is compiled twice (`benchmarks/accel.py`'s `overlap` section);
@@ -31,7 +31,6 @@ and keeps the window position on the host, so dispatch never waits for the devic
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -44,10 +43,13 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _accumulate, _batch, _checks, _collectives, _gspmd, _noise, _sharding
-from optax_accum._fsdp_train_step import FsdpSteps
-from optax_accum._sharding import state_partition_specs
-from optax_accum._typing import AxisName, DType, Reduction
+from optax_accum.batch_size import _noise
+from optax_accum.core import _batch, _checks, _state
+from optax_accum.core._typing import AxisName, DType, Reduction
+from optax_accum.front_ends import _accumulate, _config, _host, _window
+from optax_accum.front_ends._fsdp_train_step import FsdpSteps
+from optax_accum.parallel import _gspmd, _sharding
+from optax_accum.parallel._sharding import state_partition_specs
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
 # grad_buffer=None on CPU: the buffer for parameters of at least this many bytes in all. glibc
@@ -61,11 +63,12 @@ GRAD_BUFFER_BYTES = 32 * 2**20
 # and then the closing one: one dispatch fewer per window (on CPU ~60 µs for a small model's
 # parameters and Adam state, 1/3 of the optax notebook MLP's micro-step), for a second compiled
 # backward pass. Cheap means a small accumulating program, by its lowered size: at most this many
-# operations (`_ops`), and parameters below `GRAD_BUFFER_BYTES`, where a micro-step's own work is
-# small enough for a dispatch to show. Measured (`benchmarks/small_models.py`, CPU seconds to
-# compile the accumulating program): the notebook MLP's 325 operations 0.7 s, the two CNNs' 370
-# 1.1-1.4 s, the two transformers' 1053 1.9-2.4 s; the 10M-parameter MLP of `benchmarks/_cross.py`
-# (about 330 operations, 40 MB of parameters) keeps two programs, and its compile time.
+# operations (`_host.ops`), and parameters below `GRAD_BUFFER_BYTES`, where a micro-step's own
+# work is small enough for a dispatch to show. Measured (`benchmarks/small_models.py`, CPU
+# seconds to compile the accumulating program): the notebook MLP's 325 operations 0.7 s, the two
+# CNNs' 370 1.1-1.4 s, the two transformers' 1053 1.9-2.4 s; the 10M-parameter MLP of
+# `benchmarks/_cross.py` (about 330 operations, 40 MB of parameters) keeps two programs, and its
+# compile time.
 FUSED_EMIT_MAX_OPS = 400
 
 # With `axis_name`: the emitting micro-step runs one program that computes the last gradient and
@@ -73,18 +76,6 @@ FUSED_EMIT_MAX_OPS = 400
 # program, which all-reduces the state's sums in one collective (False: the control of
 # `tests/test_accel.py` and `benchmarks/accel.py`; it compiles the backward pass once).
 OVERLAP_WITH_AXIS = True
-
-INSIDE_JIT = (
-  "TrainStep was called with traced arguments (inside `jax.jit`, `jax.lax.scan`, `jax.grad`, "
-  "...). TrainStep is a host-side driver: it keeps the window position on the host and "
-  "dispatches its two programs, which it compiles itself. Call it outside any "
-  "transformation, from your Python training loop:\n\n"
-  "    for batch in batches:\n"
-  "        params, state, loss = step(params, state, batch)\n\n"
-  "To accumulate inside your own jitted step, use the optax protocol instead: "
-  "`tx = optax_accum.accumulate(inner, every_k)` and `updates, state = tx.update(grads, state, "
-  "params)` (with `emit=True`/`False` for two programs without a device conditional)."
-)
 
 
 # TrainStep's `has_aux` against a clipped loss's own (`privacy.clipped_loss(..., has_aux=)`),
@@ -101,144 +92,6 @@ AUX_MISMATCH = {
     "has_aux=True, ...) (loss returning (value, aux)); else leave has_aux=False."
   ),
 }
-
-
-def _is_float(x: Any) -> bool:
-  return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _signature(args: tuple, weight: Any) -> tuple:
-  """What the compiled programs depend on in a call's micro-batch and weight: the tree, each
-  leaf's shape, dtype, weak type (a Python scalar) and placement."""
-  leaves, tree = jax.tree.flatten((args, weight))
-  return tree, tuple(
-    (np.shape(x), str(getattr(x, "dtype", type(x))), getattr(x, "sharding", None)) for x in leaves
-  )
-
-
-def _on_mesh(params: Any) -> Any:
-  """The mesh of the first parameter placed with a `NamedSharding`, or None."""
-  for p in jax.tree.leaves(params):
-    sharding = getattr(p, "sharding", None)
-    if isinstance(sharding, NamedSharding):
-      return sharding.mesh
-  return None
-
-
-def _placed(x: Any) -> Any:
-  """An array's sharding, if it is a concrete placement (not an abstract one), else None."""
-  sharding = getattr(x, "sharding", None)
-  return sharding if isinstance(sharding, jax.sharding.Sharding) else None
-
-
-def _unlike(compiled: Any, operands: tuple) -> bool:
-  """Whether `operands` differ from the inputs `compiled` was compiled for: their tree, a
-  leaf's shape, dtype or weak type, or a device array's placement."""
-  avals, _ = compiled.in_avals
-  shardings, _ = compiled.input_shardings
-  leaves, tree = jax.tree.flatten(tuple(operands))
-  if tree != jax.tree.structure(avals) or len(leaves) != len(jax.tree.leaves(shardings)):
-    return True
-  for x, want, placed in zip(
-    leaves, jax.tree.leaves(avals), jax.tree.leaves(shardings), strict=True
-  ):
-    got = jax.typeof(x)
-    if (got.shape, got.dtype, got.weak_type) != (want.shape, want.dtype, want.weak_type):
-      return True
-    sharding = x.sharding if isinstance(x, jax.Array) else None
-    if sharding is not None and not sharding.is_equivalent_to(placed, len(want.shape)):
-      return True
-  return False
-
-
-# Each leaf type's kind, decided once per type (an ABC `isinstance` is slow per leaf):
-# 0 not an array (an Equinox module's static field), 1 an array that cannot be deleted (NumPy,
-# a tracer), 2 a concrete `jax.Array` (donated arrays are deleted).
-_KINDS: dict[type, int] = {}
-
-
-def _kind(t: type) -> int:
-  kind = _KINDS.get(t)
-  if kind is None:
-    concrete = issubclass(t, jax.Array) and not issubclass(t, jax.core.Tracer)
-    kind = _KINDS[t] = 2 if concrete else int(issubclass(t, jax.Array | np.ndarray | np.generic))
-  return kind
-
-
-def _all_arrays(params: Any, state: Any) -> bool:
-  """Whether every leaf of the parameters is an array (then `_batch.hide_static` has nothing
-  to hide): by leaf type, in C loops (the per-call cost). Also catches the usual mistake,
-  passing again what an earlier call donated, for the price of two reads (a donated tree's
-  leaves are deleted together: its first parameter, the state's `mini_step`), so that XLA
-  never sees a deleted buffer; `_check_live` names the leaf."""
-  leaves = jax.tree.leaves(params)
-  for x in (*leaves[:1], getattr(state, "mini_step", None)):
-    if _kind(type(x)) == 2 and x.is_deleted():
-      _check_live(params, state)
-  return all(_kind(t) for t in set(map(type, leaves)))
-
-
-def _check_live(params: Any, state: Any) -> None:
-  """Raises if an array of the parameters or the state was deleted: donated to an earlier
-  call, or deleted. Run when a compiled program refuses its inputs (it checks them before it
-  runs or donates anything): JAX's own error names an argument number (or only a shape)."""
-  for name, tree in (("params", params), ("state", state)):
-    for path, x in jax.tree.leaves_with_path(tree):
-      if _kind(type(x)) == 2 and x.is_deleted():
-        raise ValueError(
-          f"TrainStep: {name}{jax.tree_util.keystr(path)} is a deleted array: it was donated "
-          "to an earlier call (TrainStep donates the state on every call and the parameters on "
-          "each update, donate=True) "
-          "or deleted. Pass the parameters (or module) and the state that the last call "
-          "returned (`params, state, loss = step(params, state, batch)`), or build TrainStep "
-          "with donate=False to keep your arrays (each update then holds the old and the new "
-          "parameters and state)."
-        )
-
-
-def _distinct(params: Any, state: Any) -> tuple[Any, Any]:
-  """`params` and `state` with no two arrays sharing a buffer: a leaf whose buffer an earlier
-  leaf already holds is replaced by a copy. Aliases are common in what users pass
-  (``optax.LookaheadParams.init_synced(params)``, whose slow weights *are* its fast weights;
-  one ``jnp.zeros`` reused for two biases; an optimizer state holding the parameters), and
-  XLA refuses to donate one buffer twice, or to read a buffer it was donated, only once the
-  call has started, after it has deleted some of the other donated arrays. Run for trees
-  this object did not make (the programs' outputs never alias), so a call costs nothing."""
-  leaves, tree = jax.tree.flatten((params, state))
-  seen: set[tuple] = set()
-  out, copied = [], False
-  for x in leaves:
-    if _kind(type(x)) == 2 and not x.is_deleted():  # a deleted one: `_check_live` names it
-      buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
-      if buffers & seen:
-        x, copied = jax.device_put(x, x.sharding, may_alias=False), True
-        buffers = {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
-      seen |= buffers
-    out.append(x)
-  return jax.tree.unflatten(tree, out) if copied else (params, state)
-
-
-def _ops(lowered: Any) -> int:
-  """The operations of a lowered program (StableHLO): what compiling it costs."""
-  return len(re.findall(r"^\s*%\S+ = ", lowered.as_text(), flags=re.M))
-
-
-def _hollow(inner_state: Any) -> Any:
-  """The inner state's tree with no arrays (every leaf None): what the accumulating program
-  takes of it. It never reads the inner state, and every array passed in and handed back
-  costs each call dispatch time (0.6 µs an array on CPU, `benchmarks/small_models.py`); its
-  structure stays, for the checks
-  that read it (a private state, `_checks.holds_private_state`)."""
-  return jax.tree.map(lambda _: None, inner_state)
-
-
-def _in_trainstep_words(error: Exception) -> Exception:
-  """A check shared with `accumulate` (`_accumulate.check_update`), said as TrainStep's: its
-  name, and the one way it makes a state."""
-  text = str(error).replace("accumulate.update:", "TrainStep:", 1)
-  text = text.replace(" but is updated with ", " but this TrainStep has ")
-  text = text.replace("`tx.init(params)` or `step.init(params)`", "`step.init(params)`")
-  return type(error)(text)
 
 
 class TrainStep:
@@ -393,7 +246,7 @@ class TrainStep:
       every_k = _checks.positive_int(every_k, "every_k", "TrainStep", maximum=_checks.MAX_WINDOW)
     if weight_fn is not None and not callable(weight_fn):
       raise TypeError(f"TrainStep: weight_fn must be callable or None, got {weight_fn!r}.")
-    self._cfg = _accumulate.make_config(
+    self._cfg = _config.make_config(
       inner, every_k, reduction, accum_dtype, skip_nonfinite, axis_name, noise_scale, rounding
     )
     self._cfg = self._cfg._replace(front="TrainStep", weighted=weight_fn is not None)
@@ -402,7 +255,7 @@ class TrainStep:
     self._private = _checks.private_fun(loss_fn)
     self._loss_fn = loss_fn
     if self._private:
-      _accumulate.check_private(self._cfg, "TrainStep")
+      _config.check_private(self._cfg, "TrainStep")
     # clipped_loss(..., has_aux=True): its aux holds one row per example (joined over the axis).
     self._aux_rows = self._private and _checks.private_aux_rows(loss_fn)
     if self._private and self._aux_rows != bool(has_aux):
@@ -417,7 +270,7 @@ class TrainStep:
     # `optax.lookahead`'s parameters are LookaheadParams(fast, slow): the loss is evaluated at
     # the fast weights (its gradients are theirs).
     self._grad = jax.value_and_grad(
-      lambda p, *a: loss_fn(_accumulate._gradient_like(_batch.show_static(p)), *a),
+      lambda p, *a: loss_fn(_state.gradient_like(_batch.show_static(p)), *a),
       has_aux=has_aux,
     )
     self._weight_fn, self._mesh = weight_fn, mesh
@@ -429,19 +282,19 @@ class TrainStep:
     self._donate_argnums = (0, 1, 2) if donate else (2,)
     # Whether the emitting micro-step is one program (grad → add → close) rather than the
     # accumulating program followed by the closing one: with every_k = 1; with an axis, whose
-    # window it reduces leaf by leaf (`_close_leafwise`); with skip_nonfinite="window" and the
-    # noise statistics, which it reads from the window's last gradient
-    # (`_accumulate.sampled_sq_norm`); and for a small model (`FUSED_EMIT_MAX_OPS`), decided once,
+    # window it reduces leaf by leaf (`_window.close_leafwise`); with skip_nonfinite="window"
+    # and the noise statistics, which it reads from the window's last gradient
+    # (`_window.sampled_sq_norm`); and for a small model (`FUSED_EMIT_MAX_OPS`), decided once,
     # when the first programs are lowered (`_choose_emitting`).
     self._leafwise = axis.stacks and OVERLAP_WITH_AXIS
     sampled = self._cfg.window_check and self._cfg.noise
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._chosen = self._fused_emit or axis.stacks  # whether `_choose_emitting` has decided
-    self._compiled: dict[tuple, Any] = {}  # by `_signature`: both programs, compiled together
-    self._key: tuple | None = None  # the last call's `_signature`
+    self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
+    self._key: tuple | None = None  # the last call's `_host.signature`
     self._pair: Any = None  # its programs, `_compiled[_key]`
-    self._hollows: dict[Any, Any] = {}  # `_hollow` by the inner state's tree structure
-    self._hollow_of: tuple = (None, None)  # the last inner state and its `_hollow`
+    self._hollows: dict[Any, Any] = {}  # `_host.hollow` by the inner state's tree structure
+    self._hollow_of: tuple = (None, None)  # the last inner state and its `_host.hollow`
     self._programs = self._jit()
     # Whether the programs' output shardings are set (`_pin`): with axis_name, or without one
     # for parameters placed on a mesh (the accumulator sharded like them).
@@ -451,7 +304,7 @@ class TrainStep:
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
     self._last_params: Any = None  # the parameters the last call returned
-    self._arrays = True  # whether every leaf of those parameters is an array (`_all_arrays`)
+    self._arrays = True  # whether every leaf of those parameters is an array (`_host.all_arrays`)
     self._donates = donate
     # FSDP: what stays unsharded for a window, with programs of its own (`_fsdp_train_step`).
     self._fsdp = None
@@ -477,7 +330,7 @@ class TrainStep:
     if self._cfg.unaccumulated:
       return {True: emitting}
     # The accumulating program neither takes nor returns the parameters (it only reads them:
-    # not donated) and takes the state with its inner state hollow (`_hollow`).
+    # not donated) and takes the state with its inner state hollow (`_host.hollow`).
     donate = (1, 2) if donated else (2,)
     accumulating = jax.jit(self._accumulating, donate_argnums=donate, keep_unused=True, **kw(0))
     return {False: accumulating, True: emitting}
@@ -489,7 +342,7 @@ class TrainStep:
   def _state_shardings(self, params: Any) -> tuple[Any, Any]:
     """The parameters' shardings and the state's (`state_partition_specs`)."""
     params = _batch.none_for_static(_batch.hide_static(params))
-    shardings = self._shardings(params)
+    shardings = _host.param_shardings(self._cfg.axis_name, self._mesh, params)
     axis = self._cfg.axis.name
     specs = state_partition_specs(self.tx, shardings, axis, params=params)
     return shardings, specs
@@ -498,13 +351,13 @@ class TrainStep:
     """Pins the programs' output shardings to the parameters' own and the state's: the
     closing program updates replicated (gathered) parameters on every device, and FSDP
     parameters and their optimizer state must leave it sharded as they came in. Without
-    `axis_name`, for parameters placed on a mesh (`_on_mesh`): the accumulator and the inner
+    `axis_name`, for parameters placed on a mesh (`_host.on_mesh`): the accumulator and the inner
     state sharded like the parameters (GSPMD reduces every micro-step into it)."""
     if self._pinned or self._fsdp is not None:  # (FSDP: its programs pin their own)
       return
     if not self._cfg.axis.stacks:
       self._pinned = True
-      specs = self._mesh_state_shardings(params)
+      specs = _host.mesh_state_shardings(self.tx, params)
       if specs is not None:
         self._chosen = True  # parameters on a mesh: the programs' shardings pinned as they are
         shardings, state = specs
@@ -515,20 +368,20 @@ class TrainStep:
     if not self._binds_here():
       return
     _, specs = self._state_shardings(params)
-    shardings = self._shardings(_batch.hide_static(params))
+    shardings = _host.param_shardings(self._cfg.axis_name, self._mesh, _batch.hide_static(params))
     rep = P() if self._mesh is None else NamedSharding(self._mesh, P())
     hollow = (specs._replace(inner_state=None), _NO_BUFFER, rep)
     emitting = (shardings, specs, _NO_BUFFER, rep) if self._fused_emit else (shardings, specs)
     self._programs = self._jit(out_shardings=(hollow, emitting))
     self._pinned = True
 
-  def init(self, params: Any) -> _accumulate.AccumulateState:
+  def init(self, params: Any) -> _state.AccumulateState:
     """The initial `AccumulateState` for `params` (with `axis_name`: placed on the mesh, the
     accumulator per device, as `state_partition_specs` says)."""
     self._position, self._last_state = 0, None
     arrays = _batch.none_for_static(_batch.hide_static(params))
     if self._private:  # a clipped loss: the accumulator made for these parameters (≥ float32)
-      _accumulate.check_private(self._cfg, "TrainStep.init", arrays)
+      _config.check_private(self._cfg, "TrainStep.init", arrays)
     # Both halves of the mechanism or neither (the privacy package's check).
     _checks.private_check("train_step", "TrainStep.init", self._private, self._cfg, arrays)
     fsdp = None if self._fsdp is None else self._fsdp.init(params)  # None: the state below
@@ -536,7 +389,7 @@ class TrainStep:
       return fsdp
     if not self._cfg.axis.stacks:
       self._pin(params)
-      specs = self._mesh_state_shardings(params)
+      specs = _host.mesh_state_shardings(self.tx, params)
       params = _batch.none_for_static(_batch.hide_static(params))  # arrays only, as eqx.filter
       if specs is None:
         return self.tx.init(params)
@@ -551,24 +404,6 @@ class TrainStep:
     init = self._bind(self.tx.init)
     return jax.jit(init, out_shardings=specs)(params)
 
-  def _mesh_state_shardings(self, params: Any) -> tuple[Any, Any] | None:
-    """Without `axis_name`: the parameters' shardings and the state's
-    (`state_partition_specs`: tree-shaped leaves like their parameter, the rest replicated)
-    when some parameter is placed on a mesh (a `NamedSharding`); else None (one device: the
-    default placement is right)."""
-    hidden = _batch.hide_static(params)
-    mesh = _on_mesh(hidden)
-    if mesh is None:
-      return None
-    shardings = jax.tree.map(
-      lambda p: p.sharding if isinstance(getattr(p, "sharding", None), NamedSharding)
-      else NamedSharding(mesh, P()),
-      hidden,
-    )  # fmt: skip
-    params = _batch.none_for_static(hidden)
-    specs = state_partition_specs(self.tx, _batch.none_for_static(shardings), None, params=params)
-    return shardings, specs
-
   def _bind(self, fun: Callable[..., Any], **kwargs: Any) -> Callable[..., Any]:
     """`fun` with the axis bound under plain jit; the state is per device (`_sharding`)."""
     return _gspmd.bind(
@@ -580,19 +415,9 @@ class TrainStep:
       **kwargs,
     )
 
-  def _shardings(self, params: Any) -> Any:
-    """Each parameter's sharding: its own on the mesh, else replicated."""
-    mesh = _gspmd.find_mesh(self._cfg.axis_name, self._mesh, "TrainStep")
-    named = lambda s: s if isinstance(s, NamedSharding) else None
-    specs = jax.tree.map(lambda p: named(getattr(p, "sharding", None)) or P(), params)
-    if self._mesh is not None:
-      return jax.tree.map(lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, s),
-                          specs, is_leaf=lambda s: isinstance(s, P))  # fmt: skip
-    return specs
-
   def _accumulating(self, params, state, grad_buffer, args, weight):
     """The accumulating program: gradient → add. It takes the state with its inner state
-    hollow (`_hollow`) and returns ``(state, grad_buffer, value)``: the parameters are only
+    hollow (`_host.hollow`) and returns ``(state, grad_buffer, value)``: the parameters are only
     read (not donated, not returned), the inner state never seen."""
     _, state, grad_buffer, value = self._step(params, state, grad_buffer, args, weight, emit=False)
     return state, grad_buffer, value
@@ -623,7 +448,7 @@ class TrainStep:
     instead, in the batch's order (each device holds a contiguous block of the rows)."""
     axis = self._cfg.axis
     over = lax.psum if self._cfg.reduction == "sum" else lax.pmean
-    floats = lambda t: jax.tree.map(lambda x: over(x, axis.name) if _is_float(x) else x, t)  # noqa: E731
+    floats = lambda t: jax.tree.map(lambda x: over(x, axis.name) if _host.is_float(x) else x, t)  # noqa: E731
     if not self._aux_rows:
       return floats(value)
     loss, aux = value
@@ -635,7 +460,7 @@ class TrainStep:
     cfg = self._cfg
     value, grads = self._grad(params, *args)
     # optax.lookahead's parameters are LookaheadParams(fast, slow); its gradients the fast ones.
-    grads = _batch.none_for_static(_accumulate._gradient_like(grads))
+    grads = _batch.none_for_static(_state.gradient_like(grads))
     hidden = params if replicated is None else replicated
     params = _batch.none_for_static(hidden)
     # Returning the gradients as the (donated) buffer's new value makes XLA compute them
@@ -644,62 +469,29 @@ class TrainStep:
     if self._weight_fn is not None:
       weight = _checks.weight(self._weight_fn(*args), "TrainStep", name="weight_fn(*args)")
     try:
-      weight = _accumulate.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
+      weight = _config.check_update(cfg, grads, state, params, weight, False, emit, "TrainStep")
     except (TypeError, ValueError) as e:
-      raise _in_trainstep_words(e) from None
-    sq = _accumulate.sq_norm(cfg, grads, state, emit)  # with noise_scale: also the finite check
-    sums, total, dropped = _accumulate.add(cfg, grads, state, weight, sq)
-    noise = _accumulate.add_noise(cfg, grads, state, weight, dropped, sq)
-    window = _accumulate.Window(sums, total, state.inner_state, params, {}, noise)
+      raise _host.in_trainstep_words(e) from None
+    sq = _window.sq_norm(cfg, grads, state, emit)  # with noise_scale: also the finite check
+    sums, total, dropped = _window.add(cfg, grads, state, weight, sq)
+    noise = _window.add_noise(cfg, grads, state, weight, dropped, sq)
+    window = _window.Window(sums, total, state.inner_state, params, {}, noise)
     if emit:
-      can_be_empty = _accumulate.can_be_empty(cfg, weight)
+      can_be_empty = _window.can_be_empty(cfg, weight)
       if self._leafwise:
-        closed = self._close_leafwise(grads, state, weight, window, dropped, can_be_empty)
+        closed = _window.close_leafwise(cfg, grads, state, weight, window, dropped, can_be_empty)
       else:
-        closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, can_be_empty, window)
+        closed = _window.close_window(cfg, grads, _window.APPLY, can_be_empty, window)
       params, sums = closed.out
       params = _batch.restore_static(params, hidden)
     else:
-      closed = _accumulate.keep_open(_accumulate.APPLY, window)
-    state = _accumulate.advance(cfg, state, sums, total, dropped, closed, emit)
+      closed = _window.keep_open(_window.APPLY, window)
+    state = _window.advance(cfg, state, sums, total, dropped, closed, emit)
     return (params if emit else hidden), state, grad_buffer, value
-
-  def _close_leafwise(self, grads, state, weight, window, dropped, guard) -> _accumulate.Closed:
-    """The emitting program's window, global, with the sums all-reduced leaf by leaf: each
-    leaf's all-reduce reads ``acc + w·g`` of that leaf only, so it can start as soon as its
-    gradient exists. The scalars (total weight, drop count, noise partials) take one small
-    all-reduce of their own. A per-micro-batch finite check (`skip_nonfinite=True`) reads every
-    leaf, so the sums are reduced without it; if any device dropped this micro-batch, a
-    conditional reduces the checked sums again (exact, rare: an update with a non-finite last
-    micro-batch pays a second all-reduce)."""
-    cfg = self._cfg
-    axis = cfg.axis
-    # acc + w·g: without the finite check (the weight's own check is a scalar)
-    optimistic = _accumulate.add(cfg._replace(skip_nonfinite=False), grads, state, weight)[0]
-    sums = axis.reduce_leaves(_accumulate.reduced_sums(cfg, optimistic))
-    local = window.noise
-    partials = () if local is None else _noise.partials(local)
-    # (one all-reduce: the drop count as float32, like the total)
-    total, drops, partials = axis.reduce((window.total, dropped.astype(jnp.float32), partials))
-    if cfg.skip_nonfinite:
-      added = state._replace(inner_state=None, noise=None)  # what `add` reads of the state
-
-      def checked(operands):
-        g, s, w, _ = operands
-        return axis.reduce_leaves(_accumulate.reduced_sums(cfg, _accumulate.add(cfg, g, s, w)[0]))
-
-      operands = (grads, added, weight, sums)
-      sums = _collectives.cond(drops > 0, checked, lambda ops: ops[-1], operands)
-    noise = None if local is None else _accumulate._with_partials(local, partials)
-    window = window._replace(sums=sums, total=total, noise=noise)
-    closed = _accumulate.close_window(cfg, grads, _accumulate.APPLY, guard, window, reduced=True)
-    # The noise partials stay this device's (spent: the next add restarts them).
-    mine = _accumulate._noise_partials(local)
-    return closed._replace(noise=_accumulate._with_partials(closed.noise, mine))
 
   def _close(self, params: Any, state: Any) -> tuple[Any, Any]:
     """The closing program: the window the accumulating program has just added the last
-    micro-batch to, closed from the state (`_accumulate.close_from_state`: the one all-reduce
+    micro-batch to, closed from the state (`_window.close_from_state`: the one all-reduce
     with `axis_name`, the inner update, the application). No batch and no gradient: the
     emitting micro-step compiles the backward pass once, in the accumulating program."""
     if not self._cfg.axis.unbound():
@@ -710,16 +502,16 @@ class TrainStep:
   def _close_window(self, params: Any, state: Any) -> tuple[Any, Any]:
     hidden = params
     params = _batch.none_for_static(hidden)
-    # The gradients' types, for `close_window`'s dtypes and device variance: `jax.grad` gives
-    # each gradient its parameter's dtype, and per-device gradients vary over the axis.
-    like = self._cfg.axis.to_varying(_accumulate._gradient_like(params))
-    new_params, state = _accumulate.close_from_state(self._cfg, state, params, like)
+    # The gradients' types, for `_window.close_window`'s dtypes and device variance: `jax.grad`
+    # gives each gradient its parameter's dtype, and per-device gradients vary over the axis.
+    like = self._cfg.axis.to_varying(_state.gradient_like(params))
+    new_params, state = _window.close_from_state(self._cfg, state, params, like)
     return _batch.restore_static(new_params, hidden), state
 
   def _grads_of(self, params: Any, args: tuple) -> Any:
     """The gradients as `_micro_step` takes them (arrays only; lookahead's fast weights')."""
     grads = self._grad(params, *args)[1]
-    return _batch.none_for_static(_accumulate._gradient_like(grads))
+    return _batch.none_for_static(_state.gradient_like(grads))
 
   def _buffer(self, params: Any, args: tuple) -> Any:
     """The gradient buffer, made on first use with the gradients' shapes and dtypes, placed
@@ -746,15 +538,15 @@ class TrainStep:
     """The gradient buffer's `jax.ShapeDtypeStruct`s, placed like the parameters (what
     `compile` and `lower` compile for, so that the buffer `_buffer` makes fits them)."""
     types = jax.eval_shape(self._grads_of, params, args)
-    params = _accumulate._gradient_like(_batch.none_for_static(params))
+    params = _state.gradient_like(_batch.none_for_static(params))
     return jax.tree.map(
-      lambda t, p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=_placed(p)), types, params
+      lambda t, p: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=_host.placed(p)), types, params
     )
 
   def __call__(
     self,
     params: Any,
-    state: _accumulate.AccumulateState,
+    state: _state.AccumulateState,
     *args: Any,
     weight: Any = None,
     force_emit: bool = False,
@@ -773,12 +565,12 @@ class TrainStep:
       _checks.weight(weight, "TrainStep")
     fresh = state is not self._last_state  # a state this object did not make
     if fresh or params is not self._last_params:
-      self._arrays = _all_arrays(params, state)
+      self._arrays = _host.all_arrays(params, state)
     arrays = self._arrays  # (what the last call returned is alive, its kinds of leaves known)
     if self._position is None or fresh:
       self._read_position(params, state, args)
     if self._donates and (fresh or params is not self._last_params):
-      params, state = _distinct(params, state)  # never one buffer donated twice
+      params, state = _host.distinct(params, state)  # never one buffer donated twice
     emit = force_emit or self._position + 1 >= self._window_k
     if not self._pinned:
       self._pin(params)
@@ -801,9 +593,9 @@ class TrainStep:
     position once (and the length its open window was opened with, which it keeps). Every other
     call is dispatched without waiting for the device."""
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, state, args))):
-      raise TypeError(INSIDE_JIT)
-    _accumulate.check_state(state, "TrainStep")
-    _check_live(params, state)
+      raise TypeError(_host.INSIDE_JIT)
+    _config.check_state(state, "TrainStep")
+    _host.check_live(params, state)
     position, window_k = jax.device_get((state.mini_step, state.window_k))
     self._position = int(position)
     self._window_k = int(window_k) if self._position else self._next_window_k(state)
@@ -813,7 +605,7 @@ class TrainStep:
     one the closing program decided from the noise statistics (read back: one device-to-host
     read of a scalar per update, which waits for that program)."""
     if isinstance(self.every_k, _noise.FollowNoiseScale):
-      # Clipped like the device clips it (`_accumulate.window_length`): a restored state's
+      # Clipped like the device clips it (`_config.window_length`): a restored state's
       # decision may come from a policy with other bounds.
       return int(self.every_k.clip(int(jax.device_get(state.window_k))))
     return self.every_k
@@ -836,14 +628,14 @@ class TrainStep:
     return params, state, grad_buffer, value
 
   def _hollow(self, inner_state: Any) -> Any:
-    """`_hollow` of the inner state, made once per tree structure (and not looked up again for
+    """`_host.hollow` of the inner state, made once per tree structure (and not looked up again for
     the inner state of the last call: the accumulating calls of a window pass the same one)."""
     if inner_state is self._hollow_of[0]:
       return self._hollow_of[1]
     tree = jax.tree.structure(inner_state)
     hollow = self._hollows.get(tree)
     if hollow is None:
-      hollow = self._hollows[tree] = _hollow(inner_state)
+      hollow = self._hollows[tree] = _host.hollow(inner_state)
     self._hollow_of = (inner_state, hollow)
     return hollow
 
@@ -851,7 +643,7 @@ class TrainStep:
     """A call's first program (`_jit`'s key), compiled for these micro-batch types: tried
     first as compiled for the last call's (the compiled program checks its inputs before it
     runs or donates anything, so the per-call cost has no signature to compute); for others,
-    looked up by `_signature` (both programs compiled on the first call with new types,
+    looked up by `_host.signature` (both programs compiled on the first call with new types,
     `_compile_both`; `state` is the whole state). Refusals are `_run`'s."""
     params, _, grad_buffer, args, weight = operands
     if self._key is not None:
@@ -861,10 +653,10 @@ class TrainStep:
         # A deleted array (RuntimeError with several devices), other micro-batch types
         # (looked up below), or a refusal that `_run` explains. Any other RuntimeError came
         # from running the program: raised, never run again.
-        _check_live(params, state)
+        _host.check_live(params, state)
         if isinstance(e, RuntimeError):
           raise
-    key = _signature(args, weight)
+    key = _host.signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
     self._key, self._pair = key, self._compiled[key]
@@ -872,7 +664,7 @@ class TrainStep:
 
   def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
     """One program (`_jit`'s key), compiled for `key`; inputs unlike those it was compiled
-    for (other parameter or state types, or placements: `_unlike` compares them) run through
+    for (other parameter or state types, or placements: `_host.unlike` compares them) run through
     `jax.jit`, this call only: the compiled pair stays for the inputs it was made for, so
     nothing is recompiled unless the inputs really changed. Any other refusal is raised."""
     compiled = self._compiled[key][program]
@@ -880,10 +672,10 @@ class TrainStep:
       return compiled(*operands)
     except (TypeError, ValueError, RuntimeError) as e:
       # The compiled programs check their inputs before running (nothing donated yet).
-      _check_live(*operands[:2])
+      _host.check_live(*operands[:2])
       if isinstance(e, RuntimeError):
         raise
-      if not _unlike(compiled, operands):
+      if not _host.unlike(compiled, operands):
         raise type(e)(
           "TrainStep: the compiled program refused inputs of the types and placements it was "
           f"compiled for: {e}"
@@ -916,7 +708,7 @@ class TrainStep:
     self._chosen = True
     arrays = jax.tree.leaves(_batch.none_for_static(params))
     nbytes = sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays)
-    if nbytes < GRAD_BUFFER_BYTES and _ops(accumulating) <= FUSED_EMIT_MAX_OPS:
+    if nbytes < GRAD_BUFFER_BYTES and _host.ops(accumulating) <= FUSED_EMIT_MAX_OPS:
       self._fused_emit = True
       self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
@@ -950,7 +742,7 @@ class TrainStep:
     buffer = self._grad_buffer
     if buffer is None:
       buffer = self._buffer_types(params, args)
-    key = _signature(args, weight)
+    key = _host.signature(args, weight)
     self._compiled[key] = self._compile_both(params, state, buffer, args, weight)
     self._key, self._pair = key, self._compiled[key]
     return self
@@ -981,5 +773,5 @@ class TrainStep:
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
     if emit:
       return self._programs[True].lower(params, state)  # the closing program
-    hollow = state._replace(inner_state=_hollow(state.inner_state))
+    hollow = state._replace(inner_state=_host.hollow(state.inner_state))
     return self._programs[False].lower(params, hollow, grad_buffer, args, weight)

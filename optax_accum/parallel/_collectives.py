@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _batch
-from optax_accum._typing import AxisName, Reduction
+from optax_accum.core import _batch
+from optax_accum.core._typing import AxisName, Reduction
 
 AXIS_NOT_BOUND = (
   "axis_name={axis!r} is not bound here. `axis_name` names a mapped axis: a mesh axis of an "

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from optax_accum import _fsdp, _gspmd, _sharding
-from optax_accum._typing import AxisName
+from optax_accum.core._typing import AxisName
+from optax_accum.parallel import _fsdp, _gspmd, _sharding
 
 
 def data_parallel(

@@ -40,7 +40,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _noise
+from optax_accum.batch_size import _noise
 
 KEEP_UNSHARDED: tuple[str, ...] = ("nothing", "params", "params_and_grads")
 

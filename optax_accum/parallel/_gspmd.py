@@ -17,10 +17,10 @@ axis *bound*, as `jax.shard_map` binds it. `bind` binds it over that one axis on
   comes out as the hook says (stacked ``(num_devices, ...)``); any other device-varying output is
   an error (or, with ``varying="concat"``, is joined along its leading axis).
 
-The binder knows no optimizer state: the front end (`optax_accum._data_parallel`) passes the
-hook. `fun` itself reduces what must be global: `microbatch(..., axis_name=axis)` after its
-loop, `accumulate(..., axis_name=axis)` on the emitting step. Inside a map that already binds
-the axis, `fun` is called unchanged.
+The binder knows no optimizer state: the front end (`optax_accum.parallel._data_parallel`) passes
+the hook. `fun` itself reduces what must be global: `microbatch(..., axis_name=axis)` after its
+loop, `accumulate(..., axis_name=axis)` on the emitting step. Inside a map that already binds the
+axis, `fun` is called unchanged.
 
 ``sync="microbatch"`` is the other FSDP trade-off: it binds the axis as a trivial one (size 1,
 every collective over it the identity) and leaves the whole mesh to GSPMD, which reduces each
@@ -45,8 +45,9 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _batch, _checks, _collectives
-from optax_accum._typing import ArgNums, AxisName
+from optax_accum.core import _batch, _checks
+from optax_accum.core._typing import ArgNums, AxisName
+from optax_accum.parallel import _collectives
 
 Sync = Literal["update", "microbatch"]
 SYNCS: tuple[str, ...] = ("update", "microbatch")

@@ -20,9 +20,9 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optax_accum import _collectives
-from optax_accum._accumulate import AccumulateState, holds_sums
-from optax_accum._typing import AxisName
+from optax_accum.core._state import AccumulateState, holds_sums
+from optax_accum.core._typing import AxisName
+from optax_accum.parallel import _collectives
 
 
 def _is_spec(x) -> bool:
