@@ -42,8 +42,8 @@ from optax_accum.front_ends._microbatch_checks import (
   check_sizes,
   check_skip,
   check_split,
+  loop_trips,
   private_options,
-  trip_count,
 )
 from optax_accum.parallel import _collectives, _fsdp, _gspmd
 
@@ -468,7 +468,7 @@ def _run(opts: _scan.Options, args: tuple, kwargs: dict[str, Any], record=None) 
   pos = _batch.resolve(opts.positions, len(args), kwargs)
   size, k = _batch.num_microbatches(pos, args, kwargs, opts.k, opts.microbatch_size)
   opts = opts._replace(k=k)
-  trips = trip_count(opts.num_real, k, sized=opts.microbatch_size is not None)
+  trips = loop_trips(opts.num_real, k, sized=opts.microbatch_size is not None)
   _batch.check_keys(args, pos.rngs)
   if opts.fsdp is not None and not opts.fsdp.gathers_in_loop:  # gathered once, for the window
     args, kwargs = opts.fsdp.gather(tuple(args), kwargs)

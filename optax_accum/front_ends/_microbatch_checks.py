@@ -116,7 +116,7 @@ def check_num_real(value: Any, k: int | None, *, sized: bool = False) -> int | j
   )
 
 
-def trip_count(num_real: int | jax.Array | None, k: int, sized: bool) -> int | jax.Array:
+def loop_trips(num_real: int | jax.Array | None, k: int, sized: bool) -> int | jax.Array:
   """How many micro-batches run: k, a checked host int, or a device scalar clamped into [0, k]."""
   num_real = check_num_real(num_real, k, sized=sized)
   if num_real is None:
