@@ -394,11 +394,13 @@ def compile_fn(
 
 
 # ----------------------------------------------------------------------------------------------
-# Collective traffic: each collective with how often it runs and the groups it spans.
+# Collective traffic: each collective with how often it runs and the groups it spans; and per
+# kind, FSDP's table (`collective_runs`), summed from the same ops.
 
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GATHERS = ("all-gather", "reduce-scatter", "all-reduce")
 
 
 class CollectiveOp(NamedTuple):
@@ -436,44 +438,72 @@ def replica_groups(rest: str) -> list[list[int]] | None:
   return [ids[r * cols : (r + 1) * cols] for r in range(rows)]
 
 
-def _runs(comps: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int | None, int]]:
-  """For each computation reachable from `entry`: its runs per call (the product of the trip
-  counts of the loops around it, None where one is unknown) and the number of conditionals
-  around it (their branches run only when taken). A computation reached several ways keeps
-  the most runs and the fewest conditionals."""
-  out: dict[str, tuple[int | None, int]] = {}
-  todo: list[tuple[str, int | None, int]] = [(entry, 1, 0)]
+def trip_count(instr: Instruction) -> int | None:
+  """A ``while`` instruction's trip count where XLA knows it (``known_trip_count`` in its
+  backend config: a `lax.scan` or a `fori_loop` with static bounds), else None."""
+  m = _TRIP_COUNT.search(instr.rest)
+  return int(m.group(1)) if m else None
+
+
+class _Runs(NamedTuple):
+  """How often one computation runs per call of the program."""
+
+  repeats: int | None  # the product of the trip counts of the loops around it (None: unknown)
+  conditionals: int  # the conditionals around it (their branches run only when taken)
+  counted: int  # `repeats` with a loop of unknown trip count counted once (FSDP's table)
+  looped: bool  # inside a loop
+
+
+def _merge(old: _Runs | None, new: _Runs) -> _Runs:
+  """A computation reached several ways: the most runs (an unknown count the most), the
+  fewest conditionals; for the counted runs the most, and inside a loop if that path is."""
+  if old is None:
+    return new
+  m, n = old.repeats, new.repeats
+  repeats = None if m is None or n is None else max(m, n)
+  if new.counted > old.counted:
+    counted, looped = new.counted, new.looped
+  else:
+    counted, looped = old.counted, old.looped or (new.counted == old.counted and new.looped)
+  return _Runs(repeats, min(old.conditionals, new.conditionals), counted, looped)
+
+
+def _runs(comps: dict[str, list[Instruction]], entry: str) -> dict[str, _Runs]:
+  """For each computation reachable from `entry`, how often it runs per call (`_Runs`)."""
+  out: dict[str, _Runs] = {}
+  todo: list[tuple[str, _Runs]] = [(entry, _Runs(1, 0, 1, False))]
   while todo:
-    name, n, conds = todo.pop()
+    name, reached = todo.pop()
     if name not in comps:
       continue
-    if name in out:
-      m, c = out[name]
-      if (m is None or (n is not None and m >= n)) and c <= conds:
-        continue
-      n = None if m is None or n is None else max(m, n)
-      conds = min(c, conds)
-    out[name] = (n, conds)
+    merged = _merge(out.get(name), reached)
+    if merged == out.get(name):
+      continue
+    out[name] = merged
     for instr in comps[name]:
-      inner, depth = n, conds
+      inner = merged
       if instr.op == "while":
-        trip = _TRIP_COUNT.search(instr.rest)
-        inner = None if n is None or trip is None else n * int(trip.group(1))
+        trips = trip_count(instr)
+        n = None if merged.repeats is None or trips is None else merged.repeats * trips
+        inner = _Runs(n, merged.conditionals, merged.counted * (trips or 1), True)
       elif instr.op == "conditional":
-        depth += 1
-      todo += [(c, inner, depth) for c in callees(instr)]
+        inner = merged._replace(conditionals=merged.conditionals + 1)
+      todo += [(c, inner) for c in callees(instr)]
   return out
 
 
-def collective_ops(hlo_text: str) -> list[CollectiveOp]:
-  """Every collective of a compiled program (an async pair once), with its placement, its runs
-  per call and its bytes: what `count_collectives` counts, with the traffic it moves.
+class _Found(NamedTuple):
+  """A collective as the two readers below take it: the op, how often its computation runs,
+  and what it reads and returns."""
 
-  >>> import jax, jax.numpy as jnp, optax_accum
-  >>> from optax_accum import _hlo
-  >>> _hlo.collective_ops(jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text())
-  []
-  """
+  op: CollectiveOp
+  runs: _Runs
+  operand_bytes: int  # the bytes of its operands (an async start's shape holds them too)
+
+
+def _found(hlo_text: str) -> list[_Found]:
+  """Every collective of a compiled program (an async pair once), read once: one walk of the
+  computations (`_runs`), one parser of the replica groups (`replica_groups`)."""
   comps, entry = computations(hlo_text)
   if entry is None:
     return []
@@ -483,6 +513,7 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
   for comp, instrs in comps.items():
     if comp not in runs:
       continue
+    shapes = {i.name: i.shape for i in instrs}
     for i in instrs:
       base = i.op.removesuffix("-start")
       if base not in COLLECTIVES or i.op.endswith("-done"):
@@ -495,56 +526,26 @@ def collective_ops(hlo_text: str) -> list[CollectiveOp]:
       elements = sum(int(np.prod([int(x) for x in d.split(",") if x])) for _, d in parts)
       scale = max(len(g) for g in groups) if base == "reduce-scatter" and groups else 1
       where = placement.get(comp, "step")
-      n, conds = runs[comp]
-      found.append(
-        CollectiveOp(base, where, conds, n, size, size * scale, elements * scale, groups)
-      )
+      reach = runs[comp]
+      op = CollectiveOp(
+        base, where, reach.conditionals, reach.repeats, size, size * scale, elements * scale,
+        groups,
+      )  # fmt: skip
+      ins = sum(shape_bytes(shapes.get(o, "")) for o in operands(i))
+      found.append(_Found(op, reach, ins))
   return found
 
 
-# ----------------------------------------------------------------------------------------------
-# Collectives per call by kind (FSDP's table): how many run, inside loops or not, and the
-# bytes they move. (`collective_ops` above lists each op; this sums them per kind.)
+def collective_ops(hlo_text: str) -> list[CollectiveOp]:
+  """Every collective of a compiled program (an async pair once), with its placement, its runs
+  per call and its bytes: what `count_collectives` counts, with the traffic it moves.
 
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[(\d+),(\d+)\]")
-_GATHERS = ("all-gather", "reduce-scatter", "all-reduce")
-
-
-def trip_count(instr: Instruction) -> int | None:
-  """A ``while`` instruction's trip count where XLA knows it (``known_trip_count`` in its
-  backend config: a `lax.scan` or a `fori_loop` with static bounds), else None."""
-  m = _TRIP_COUNT.search(instr.rest)
-  return int(m.group(1)) if m else None
-
-
-def _loop_runs(comps: dict[str, list[Instruction]], entry: str) -> dict[str, tuple[int, bool]]:
-  """How many times each computation reachable from `entry` runs per call, and whether that is
-  inside a loop: a loop body runs its trip count times its caller's count (a loop whose trip
-  count XLA does not know counts once). Fusion bodies and the like run as their caller."""
-  runs: dict[str, tuple[int, bool]] = {}
-  todo = [(entry, 1, False)]
-  while todo:
-    name, n, looped = todo.pop()
-    if name not in comps or runs.get(name, (0, False))[0] >= n:
-      continue
-    runs[name] = (n, looped)
-    for instr in comps[name]:
-      if instr.op == "while":
-        trips = trip_count(instr) or 1
-        todo += [(c, n * trips, True) for c in callees(instr)]
-      else:
-        todo += [(c, n, looped) for c in callees(instr)]
-  return runs
-
-
-def _group_size(instr: Instruction) -> int | None:
-  """The number of devices in each replica group of a collective, where the text says."""
-  m = _GROUPS_LIST.search(instr.rest)
-  if m:
-    return len([d for d in m.group(1).split(",") if d])
-  m = _GROUPS_IOTA.search(instr.rest)
-  return int(m.group(2)) if m else None
+  >>> import jax, jax.numpy as jnp, optax_accum
+  >>> from optax_accum.core import _hlo
+  >>> _hlo.collective_ops(jax.jit(lambda x: x * 2).lower(jnp.ones(3)).compile().as_text())
+  []
+  """
+  return [f.op for f in _found(hlo_text)]
 
 
 class CollectiveRuns(NamedTuple):
@@ -566,7 +567,8 @@ class CollectiveRuns(NamedTuple):
 def collective_runs(hlo_text: str, *, min_bytes: int = 0) -> dict[str, CollectiveRuns]:
   """What one call of a compiled program communicates: for each of all-gather, reduce-scatter
   and all-reduce, the ops outside loops and the op runs inside them (times the loops' trip
-  counts), and their bytes (`CollectiveRuns`).
+  counts; a loop whose trip count XLA does not know counts once), and their bytes
+  (`CollectiveRuns`). The ops are `collective_ops`', summed by kind.
 
   Args:
     hlo_text: ``jax.jit(f).lower(*args).compile().as_text()``.
@@ -581,38 +583,32 @@ def collective_runs(hlo_text: str, *, min_bytes: int = 0) -> dict[str, Collectiv
   >>> optax_accum.core._hlo.collective_runs(text)["all-reduce"].runs
   0
   """
-  comps, entry = computations(hlo_text)
-  runs = _loop_runs(comps, entry) if entry is not None else {c: (1, False) for c in comps}
   found = {k: [0, 0, 0, 0, 0.0] for k in _GATHERS}
-  for comp, instrs in comps.items():
-    if comp not in runs:
+  for f in _found(hlo_text):
+    kind = f.op.op
+    if kind not in found:
       continue
-    n, looped = runs[comp]
-    shapes = {i.name: i.shape for i in instrs}
-    for instr in instrs:
-      kind = instr.op.removesuffix("-start")
-      if kind not in found or instr.op.endswith("-done"):
-        continue
-      full, size = _full_bytes(instr, kind, shapes)
-      if full < min_bytes:
-        continue
-      row = found[kind]
-      row[1 if looped else 0] += n
-      row[2] += looped
-      row[3] += n * full
-      share = (size - 1) / size if size else 1.0
-      row[4] += n * full * share * (2 if kind == "all-reduce" else 1)
+    full, size = _full_bytes(f)
+    if full < min_bytes:
+      continue
+    n, looped = f.runs.counted, f.runs.looped
+    row = found[kind]
+    row[1 if looped else 0] += n
+    row[2] += looped
+    row[3] += n * full
+    share = (size - 1) / size if size else 1.0
+    row[4] += n * full * share * (2 if kind == "all-reduce" else 1)
   return {k: CollectiveRuns(*r[:4], r[4]) for k, r in found.items()}
 
 
-def _full_bytes(instr: Instruction, kind: str, shapes: dict[str, str]) -> tuple[int, int | None]:
-  """The full buffer a collective handles, and its group size (None where unknown)."""
-  out = shape_bytes(instr.shape)
-  ins = sum(shape_bytes(shapes.get(o, "")) for o in operands(instr))
-  if instr.op.endswith("-start") and instr.shape.startswith("("):
-    out = max(out - ins, 0)  # an async start's shape holds its operands and its result
-  if kind == "all-gather":
-    return out, round(out / ins) if ins else _group_size(instr)
-  if kind == "reduce-scatter":
-    return ins, round(ins / out) if out else _group_size(instr)
-  return out, _group_size(instr)
+def _full_bytes(f: _Found) -> tuple[int, int | None]:
+  """The full buffer a collective handles (all-gather: its result; reduce-scatter: its
+  operand; all-reduce: its result), and its group size (None where unknown): for a gather or
+  a scatter the ratio of the two, else the replica groups'."""
+  out, ins, groups = f.op.result_bytes, f.operand_bytes, f.op.groups
+  group = len(groups[0]) if groups else None
+  if f.op.op == "all-gather":
+    return out, round(out / ins) if ins else group
+  if f.op.op == "reduce-scatter":
+    return ins, round(ins / out) if out else group
+  return out, group
