@@ -80,7 +80,7 @@ def gain(
   Returns:
     r, a float32 scalar.
 
-  >>> from optax_accum import _gain
+  >>> from optax_accum.batch_size import _gain
   >>> _gain.gain(3.0, 1.0, 4.0, 1.0)  # (3 + 1) / (3/4 + 1)
   Array(2.2857144, dtype=float32)
   """

@@ -107,7 +107,7 @@ def init() -> NoiseState:
   Returns:
     A `NoiseState` of float32 scalars: zero sums and EMAs, NaN window estimates.
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.scale(_noise.init()).b_simple
   Array(nan, dtype=float32)
   """
@@ -136,7 +136,7 @@ def sq_norm(tree: Any, over_shards: Callable[[list, list], jax.Array] | None = N
     A float32 scalar (0 for a tree without floating leaves).
 
   >>> import jax.numpy as jnp
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.sq_norm({"a": jnp.array([3.0, 4.0]), "b": jnp.array([1j], jnp.complex64)})
   Array(26., dtype=float32)
   """
@@ -232,7 +232,7 @@ def add(
     The updated `NoiseState`.
 
   >>> import jax.numpy as jnp
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> ns = _noise.add(_noise.init(), {"w": jnp.array([1.0, 2.0])}, 2.0, True)
   >>> float(ns.sq_sum), float(ns.count), float(ns.weight)
   (10.0, 1.0, 2.0)
@@ -269,7 +269,7 @@ def piece_weight(weight: jax.Array | None, pieces: Any) -> jax.Array | None:
   Returns:
     `weight`, or ``1/pieces`` as a float32 scalar (None when `pieces` is the Python int 1).
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.piece_weight(None, 4)
   Array(0.25, dtype=float32)
   """
@@ -293,7 +293,7 @@ def partials(ns: NoiseState) -> tuple[jax.Array, jax.Array, jax.Array]:
   Returns:
     ``(sq_sum, count, weight)``, float32 scalars.
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.partials(_noise.init())
   (Array(0., dtype=float32), Array(0., dtype=float32), Array(0., dtype=float32))
   """
@@ -304,7 +304,7 @@ def once(summed: tuple, copies: Any) -> tuple:
   """Global partials from sums over `copies` devices that each added the same gradients
   (already all-reduced by autodiff): they are one set of micro-batches, not `copies`.
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.once((8.0, 4.0, 4.0), 4)
   (2.0, 1.0, 1.0)
   """
@@ -328,7 +328,7 @@ def window_stats(
     ``(T, Q)``, float32 scalars; both NaN where fewer than two micro-batches were kept or the
     total weight is not positive (nothing to estimate a variance from).
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> # two micro-batches, gradients 1 and 3 (weight 1 each): mean 2
   >>> _noise.window_stats(10.0, 2.0, 2.0, 4.0)
   (Array(2., dtype=float32), Array(3., dtype=float32))
@@ -376,7 +376,7 @@ def close(
     ValueError: if `decay` is not in ``[0, 1)``.
 
   >>> import jax.numpy as jnp
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> ns = _noise.init()
   >>> for g in (1.0, 3.0):
   ...   ns = _noise.add(ns, jnp.array([g]), 1.0, True)
@@ -420,7 +420,7 @@ def scale(ns: NoiseState) -> NoiseScale:
   Returns:
     A `NoiseScale`; every field NaN until a window with at least two kept micro-batches closed.
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.scale(_noise.init()).grad_sq
   Array(nan, dtype=float32)
   """
@@ -472,7 +472,7 @@ def noise_scale(state: Any) -> NoiseScale:
     ValueError: if `state` holds no noise statistics (``noise_scale=False``), or several
       (`optax_accum.core._find`, shared with `has_updated` and `progress`).
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.noise_scale((_noise.init(), ())).window_trace_cov
   Array(nan, dtype=float32)
   """
@@ -539,7 +539,7 @@ class FollowNoiseScale(_FollowNoiseScaleFields):
   Raises:
     TypeError, ValueError: for an argument of the wrong type or out of range, at construction.
 
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> _noise.FollowNoiseScale(min_k=2, max_k=32)
   FollowNoiseScale(min_k=2, max_k=32, micro_batch_weight=1.0, shrink=False, max_growth=1.25)
   """
@@ -622,7 +622,7 @@ def next_k(policy: FollowNoiseScale, ns: NoiseState, current_k: jax.Array | int)
     An int32 scalar.
 
   >>> import jax.numpy as jnp
-  >>> from optax_accum import _noise
+  >>> from optax_accum.batch_size import _noise
   >>> ns = _noise.init()._replace(grad_sq_ema=jnp.float32(1.0), trace_ema=jnp.float32(11.6),
   ...                             ema_norm=jnp.float32(1.0))
   >>> _noise.next_k(_noise.FollowNoiseScale(min_k=2, max_k=8), ns, 7)  # B_simple 11.6, max_k 8

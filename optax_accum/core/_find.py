@@ -49,7 +49,7 @@ def find(state: Any, kind: type, caller: str, missing: str, skip: tuple[str, ...
 
   >>> import jax.numpy as jnp
   >>> from typing import NamedTuple
-  >>> from optax_accum import _find
+  >>> from optax_accum.core import _find
   >>> class S(NamedTuple):
   ...   count: jnp.ndarray
   >>> _find.find(({"a": S(jnp.int32(3))}, ()), S, "f", "no S").count
