@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum.front_ends import _accumulate
+from optax_accum.front_ends import _window
 
 # ----------------------------------------------------------------------------------------------
 # 1. Aliased leaves under donation.
@@ -240,7 +240,7 @@ def sr_errors():
   )
   out = {"one": _sr_error(one, windows), "eight": _sr_error(eight, windows)}
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(_accumulate, "reduced_sums", lambda cfg, sums: sums)
+    m.setattr(_window, "reduced_sums", lambda cfg, sums: sums)
     out["eight, bfloat16 reduction"] = _sr_error(eight, windows)
   return out
 
