@@ -25,6 +25,18 @@ assert importlib.metadata.version("optax-accum") == wheel_version
 assert importlib.resources.files("optax_accum").joinpath("py.typed").is_file(), "no py.typed"
 for name in optax_accum.__all__:
   getattr(optax_accum, name)
+# Every subject folder shipped, each with its face (setuptools finds packages by their
+# __init__.py: a folder without one would be left out of the wheel).
+FOLDERS = ("core", "batch_size", "parallel", "front_ends", "auditing", "privacy", "demo")
+package = importlib.resources.files("optax_accum")
+missing = [f for f in FOLDERS if not package.joinpath(f, "__init__.py").is_file()]
+assert not missing, f"the wheel lacks the folders {missing}"
+shipped = {
+  f"{folder}/{m.name}"
+  for folder in FOLDERS
+  for m in package.joinpath(folder).iterdir()
+  if m.name.endswith(".py")
+}
 
 
 def loss(params, batch):
@@ -52,6 +64,7 @@ assert int(state.gradient_step) == 1
 
 print(
   f"wheel smoke: optax_accum {optax_accum.__version__} from {location.parent}, py.typed present, "
-  f"{len(optax_accum.__all__)} public names, accumulate(adamw, 4) == large batch "
+  f"{len(FOLDERS)} folders ({len(shipped)} modules), {len(optax_accum.__all__)} public names, "
+  "accumulate(adamw, 4) == large batch "
   f"(max |diff| {float(np.max(np.abs(got['w'] - want['w']))):.1e}); jax {jax.__version__}"
 )

@@ -4,7 +4,7 @@
   any run, and record XLA's own memory accounting and what the optimised HLO holds (copies,
   conditionals, loops, collectives, and where each sits: every call, inside a conditional
   branch, inside a loop body) as a `Program`. The HLO reader is the library's own
-  (`optax_accum._hlo`, the module its structure tests use too), read only through its
+  (`optax_accum.core._hlo`, the module its structure tests use too), read only through its
   functions `hlo_stats` and `memory`.
 * `run_side_by_side` / `run_interleaved_steps` — run contenders side by side, rotating their
   order (round by round, or step by step), blocking on every result; `Timing` gives median and
@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 # ----------------------------------------------------------------------------------------------
 # Compilation, memory, HLO.

@@ -26,7 +26,8 @@ import optax
 import optax_accum
 from benchmarks import _cross as X
 from benchmarks import _harness as H
-from optax_accum import _accumulate, _noise
+from optax_accum.batch_size import _noise
+from optax_accum.front_ends import _window
 
 PATHS = ("accumulate (protocol)", "TrainStep")
 WITH = " + noise_scale"
@@ -38,13 +39,13 @@ def _separate_finite_check():
   """Traces with the spelling before issue 22: the finite check a pass of its own beside
   ``Σ|g|²``, each squared norm one plain sum, and the window's ``|Σ wᵢgᵢ|²`` read inside the
   conditional that closes it."""
-  old = _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST
-  _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ = False, "inside"
+  old = _window.SQ_NORM_IS_FINITE_CHECK, _window.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST
+  _window.SQ_NORM_IS_FINITE_CHECK, _window.SUMS_SQ_READ = False, "inside"
   _noise.SUM_ROWS_FIRST = False
   try:
     yield
   finally:
-    _accumulate.SQ_NORM_IS_FINITE_CHECK, _accumulate.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST = old
+    _window.SQ_NORM_IS_FINITE_CHECK, _window.SUMS_SQ_READ, _noise.SUM_ROWS_FIRST = old
 
 
 def _traced_before(tx: optax.GradientTransformationExtraArgs) -> Any:

@@ -294,7 +294,7 @@ def fusion(cfg: dict, log=print) -> list[dict[str, Any]]:
 def overlap(cfg: dict, log=print) -> list[dict[str, Any]]:
   """Compile seconds of `TrainStep(axis_name="data")`'s pair with each emitting program, and one
   window's time each, side by side (on every device of this process)."""
-  from optax_accum import _train_step  # noqa: PLC0415  (the switch is private)
+  from optax_accum.front_ends import _train_step  # noqa: PLC0415  (the switch is private)
 
   model = _models.mlp(tuple(cfg["model"]))
   params = model.init(jax.random.key(0))

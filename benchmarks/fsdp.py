@@ -49,7 +49,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 import optax_accum  # noqa: E402
-from optax_accum import _hlo  # noqa: E402
+from optax_accum.core import _hlo  # noqa: E402
 
 POINTS = ("nothing", "params", "params_and_grads")
 LAYOUTS = {  # mesh shape, names, axis_name, batch entry, weight spec (2-D), the weight's FSDP axes

@@ -123,7 +123,7 @@ def _runner(problem: Problem, inner, s: int):
 
 
 def _has_gain(inner) -> bool:
-  return optax_accum._gain.holds_gain(jax.eval_shape(inner.init, jnp.zeros(1)))
+  return optax_accum.batch_size._gain.holds_gain(jax.eval_shape(inner.init, jnp.zeros(1)))
 
 
 def _run(problem: Problem, rule: str, s: int, seed: int = 0) -> dict:

@@ -41,7 +41,7 @@ import optax  # noqa: E402
 import optax_accum  # noqa: E402
 from benchmarks import _cross as X  # noqa: E402
 from benchmarks import _models  # noqa: E402
-from optax_accum import _hlo  # noqa: E402
+from optax_accum.core import _hlo  # noqa: E402
 
 CLASSES = ("reductions", "dots to a vector", "everything else")
 

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import _models  # noqa: E402
-from optax_accum import _train_step  # noqa: E402
+from optax_accum.front_ends import _host, _train_step  # noqa: E402
 
 LR = 1e-3
 # Adam's eps, above the default 1e-8: Adam's first update is -LR * g / (|g| + eps), which with a
@@ -295,7 +295,7 @@ def _timed_compile(lowered) -> tuple[Any, float, float]:
 
 def train_step_programs(s: Small, params, micro) -> dict:
   """What TrainStep chose for this model and why: its accumulating program's size (lowered
-  operations, `_train_step._ops`) against `FUSED_EMIT_MAX_OPS`, and the compile seconds of each
+  operations, `_host.ops`) against `FUSED_EMIT_MAX_OPS`, and the compile seconds of each
   program, for both choices (one emitting program, or the closing one after the accumulating
   one), on fresh objects."""
   out = {"max_ops": _train_step.FUSED_EMIT_MAX_OPS}
@@ -307,7 +307,7 @@ def train_step_programs(s: Small, params, micro) -> dict:
       emitting = step.lower(params, state, micro[0], emit=True)
     _, acc_wall, acc_cpu = _timed_compile(accumulating)
     _, emit_wall, emit_cpu = _timed_compile(emitting)
-    out["ops"] = _train_step._ops(accumulating)
+    out["ops"] = _host.ops(accumulating)
     out[name] = {"accumulating": [acc_wall, acc_cpu], "emitting": [emit_wall, emit_cpu]}
   chosen = optax_accum.TrainStep(s.model.loss, adam(), s.k)
   chosen.lower(params, chosen.init(params), micro[0], emit=True)

@@ -7,17 +7,25 @@ public subpackage :mod:`optax_accum.privacy`.
 # The public subpackage, as optax keeps its families (optax.contrib, optax.losses): it imports
 # the core's modules, never the reverse.
 from optax_accum import privacy as privacy
-from optax_accum._accumulate import AccumulateState, accumulate, has_updated, window_mean_grad
-from optax_accum._audit import AuditReport, audit
-from optax_accum._data_parallel import data_parallel
-from optax_accum._gain import GainState, progress, scale_by_gain
-from optax_accum._hlo import count_collectives
-from optax_accum._microbatch import microbatch
-from optax_accum._noise import FollowNoiseScale, NoiseScale, noise_scale
-from optax_accum._plan import MicrobatchPlan, plan_microbatches
-from optax_accum._scan import MicrobatchInfo
-from optax_accum._sharding import state_partition_specs
-from optax_accum._train_step import TrainStep
+from optax_accum.auditing import AuditReport, audit
+from optax_accum.batch_size import (
+  FollowNoiseScale,
+  GainState,
+  NoiseScale,
+  noise_scale,
+  progress,
+  scale_by_gain,
+)
+from optax_accum.core import AccumulateState, count_collectives, has_updated, window_mean_grad
+from optax_accum.front_ends import (
+  MicrobatchInfo,
+  MicrobatchPlan,
+  TrainStep,
+  accumulate,
+  microbatch,
+  plan_microbatches,
+)
+from optax_accum.parallel import data_parallel, state_partition_specs
 
 __all__ = [
   "AccumulateState",

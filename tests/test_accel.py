@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import count_collectives
-from optax_accum._hlo import ancestors, computations, placements, shape_bytes
+from optax_accum.core._hlo import ancestors, computations, placements, shape_bytes
 
 D = 8
 SIZES = (4, 16, 8)  # every weight matrix's dimensions divide by 8 (and by 4 x 2)
@@ -480,7 +480,7 @@ def test_overlap_is_bit_identical_to_the_closing_program(config, monkeypatch):
   k = 1 if config == "every_k_1" else 4
   runs = {}
   for overlap in (False, True):
-    monkeypatch.setattr(optax_accum._train_step, "OVERLAP_WITH_AXIS", overlap)
+    monkeypatch.setattr(optax_accum.front_ends._train_step, "OVERLAP_WITH_AXIS", overlap)
     with jax.set_mesh(mesh):
       step = optax_accum.TrainStep(ref.mlp_loss, ref.ADAM, k, axis_name="data", **kw)
       params = jax.tree.map(jnp.asarray, ref.mlp_params(0, SIZES))

@@ -192,9 +192,9 @@ def test_accumulate_matches_large_batch_property(k, b, d_in, hidden, seed, weigh
 def test_large_batch_property_mutation_control(monkeypatch):
   # The core's `total > 0` guard written as maximum(total, 1) (issue 42): a wrong mean whenever a
   # window weighs less than 1. The property check must catch it on one such example.
-  normalise = optax_accum._core.normalise
+  normalise = optax_accum.core._core.normalise
   monkeypatch.setattr(
-    optax_accum._core,
+    optax_accum.core._core,
     "normalise",
     lambda sums, total, like, r: normalise(sums, jnp.maximum(total, 1.0), like, r),
   )
@@ -744,10 +744,15 @@ def test_accumulate_every_k_schedule_bad_return():
 def test_accumulate_public_names():
   # The package root exports this module's public objects (not copies or wrappers) and lists
   # them in __all__; each is documented with an example that the doctests run.
-  from optax_accum import _accumulate
+  from optax_accum.core import _state
+  from optax_accum.front_ends import _accumulate
 
-  for name in ("accumulate", "AccumulateState", "has_updated"):
+  for name, module in (
+    ("accumulate", _accumulate),
+    ("AccumulateState", _state),
+    ("has_updated", _state),
+  ):
     assert name in optax_accum.__all__, name
-    assert getattr(optax_accum, name) is getattr(_accumulate, name), name
+    assert getattr(optax_accum, name) is getattr(module, name), name
   assert ">>>" in accumulate.__doc__ and ">>>" in has_updated.__doc__
   assert isinstance(accumulate(SGD, 2), optax.GradientTransformationExtraArgs)

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _audit
+from optax_accum.auditing import _audit
 
 K = 4
 PARAMS = ref.mlp_params(0, (3, 16, 2))

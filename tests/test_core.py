@@ -1,4 +1,4 @@
-"""Unit tests of the accumulation core (`optax_accum._core`), against numpy float64 arithmetic.
+"""Unit tests of the accumulation core (`optax_accum.core._core`), against numpy float64 arithmetic.
 
 The front ends (`accumulate`, `microbatch`) are tested against the large batch elsewhere; here
 each core function is pinned down on its own: weighted sums, the finite check that drops a
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from optax_accum import _checks, _collectives, _core
+from optax_accum.core import _checks, _core
+from optax_accum.parallel import _collectives
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 

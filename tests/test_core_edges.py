@@ -21,7 +21,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _accumulate
+from optax_accum.front_ends import _window
 
 # ----------------------------------------------------------------------------------------------
 # 1. Aliased leaves under donation.
@@ -240,7 +240,7 @@ def sr_errors():
   )
   out = {"one": _sr_error(one, windows), "eight": _sr_error(eight, windows)}
   with pytest.MonkeyPatch.context() as m:
-    m.setattr(_accumulate, "reduced_sums", lambda cfg, sums: sums)
+    m.setattr(_window, "reduced_sums", lambda cfg, sums: sums)
     out["eight, bfloat16 reduction"] = _sr_error(eight, windows)
   return out
 
@@ -261,7 +261,7 @@ def test_stochastic_rounding_is_independent_per_device_and_reduced_in_float32(sr
 
 def test_stochastic_rounding_bits_differ_per_device_under_shard_map():
   # The protocol path inside the user's own shard_map: the devices' accumulators, fed the same
-  # gradient, hold different roundings of it (the window's all-reduce is `_accumulate._global`).
+  # gradient, hold different roundings of it (the window's all-reduce is `_window._global`).
   mesh = jax.make_mesh((8,), ("data",))
   tx = optax_accum.accumulate(optax.sgd(-1.0), K4, axis_name="data", **BF16_SR)
   g = jnp.full((8, 64), 1 + 2**-9 + 2**-12, jnp.float32)  # between two bfloat16 values

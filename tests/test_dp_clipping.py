@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import optax_accum as oa
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 N = 32
 

@@ -25,7 +25,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import optax_accum as oa
-from optax_accum import _checks
+from optax_accum.core import _checks
 from optax_accum.privacy import CONTRACT
 from optax_accum.privacy._contract import MESSAGES
 

@@ -197,7 +197,7 @@ def _device_pieces(tree, axes):
 
 
 def _missing(x, axes):
-  have = oa._collectives.vma(x)
+  have = oa.parallel._collectives.vma(x)
   return tuple(a for a in axes if a not in have)
 
 

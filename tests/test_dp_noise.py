@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from test_dp_clipping import assert_close, median_norm, reference_sum
 
 import optax_accum as oa
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 N = 64  # one logical batch; B = N (fixed batches)
 AX = ref.AXIS

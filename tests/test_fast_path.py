@@ -24,7 +24,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _core, _hlo
+from optax_accum.core import _core, _hlo
 
 # A problem whose leaves are large enough that a parameter-sized temporary stands out from the
 # activations (64 KiB per 128x128 weight against 4 KiB of activations per layer).

@@ -30,7 +30,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 K = 4
 ROWS = 64  # the whole batch
@@ -302,6 +302,36 @@ def test_collective_runs_counts_loop_trips():
     assert runs[kind].bytes == 5 * 64 * 32 * 4
     assert runs[kind].traffic == pytest.approx(5 * 64 * 32 * 4 * 7 / 8)
   assert runs["all-reduce"].runs == 0
+
+
+# A GPU program's combined all-reduce: one asynchronous op over two gradients, its shape the
+# tuple of its results (an async all-gather's shape holds its operands too, an all-reduce's not).
+ASYNC_ALL_REDUCE = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+ENTRY %main (p0: f32[8], p1: f32[4]) -> (f32[8], f32[4]) {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = f32[4]{0} parameter(1)
+  %ars = (f32[8]{0}, f32[4]{0}) all-reduce-start(%p0, %p1), replica_groups={{0,1}}, to_apply=%add
+  ROOT %ard = (f32[8]{0}, f32[4]{0}) all-reduce-done(%ars)
+}
+"""
+
+
+def test_collective_runs_reads_the_ops_collective_ops_reads():
+  # One reader of collectives: the table FSDP and the planner read sums the audit's ops. It
+  # read a combined async all-reduce's bytes as 0 while it had a walk of its own (the result
+  # tuple minus the operands, as for an async all-gather).
+  (op,) = _hlo.collective_ops(ASYNC_ALL_REDUCE)
+  runs = _hlo.collective_runs(ASYNC_ALL_REDUCE)["all-reduce"]
+  assert (op.op, op.result_bytes, op.groups) == ("all-reduce", (8 + 4) * 4, [[0, 1]])
+  assert (runs.outside, runs.in_loop, runs.bytes) == (1, 0, op.result_bytes)
+  assert runs.traffic == pytest.approx(op.result_bytes * 2 * (2 - 1) / 2)
 
 
 def _plan(memory_limit):

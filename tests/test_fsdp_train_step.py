@@ -28,7 +28,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 
 K = 2  # calls per window
 WINDOWS = 2

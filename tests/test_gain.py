@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import FollowNoiseScale, accumulate, progress, scale_by_gain
-from optax_accum._gain import GainState, gain
-from optax_accum._noise import DEFAULT_DECAY
+from optax_accum.batch_size._gain import GainState, gain
+from optax_accum.batch_size._noise import DEFAULT_DECAY
 
 AX = "data"
 DIM = 6

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import optax_accum
-from optax_accum import _gain
+from optax_accum.batch_size import _gain
 
 # T and Q for a window twice the base batch (S = 2) whose gain is 1.028: r = (T + Q)/(T/2 + Q).
 FIGURES = _gain.WindowFigures(

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import count_collectives, data_parallel, launch, microbatch, state_partition_specs
-from optax_accum._hlo import callees, compile_fn, computations, placements, reachable
+from optax_accum.core._hlo import callees, compile_fn, computations, placements, reachable
 
 AX = "data"
 D = 8  # devices
@@ -783,11 +783,13 @@ def test_binder_does_not_import_the_optimizer_state():
   import ast
   import pathlib
 
-  source = pathlib.Path(optax_accum.__file__).with_name("_gspmd.py").read_text()
+  source = (pathlib.Path(optax_accum.__file__).parent / "parallel" / "_gspmd.py").read_text()
   top = [n for n in ast.parse(source).body if isinstance(n, ast.Import | ast.ImportFrom)]
   names = {a.name for n in top for a in n.names}
   names |= {n.module for n in top if isinstance(n, ast.ImportFrom)}
-  assert not names & {"_accumulate", "_sharding", "optax_accum._accumulate"}, names
+  state = {"_accumulate", "_state", "_sharding", "optax_accum.front_ends._accumulate"}
+  state |= {"optax_accum.core._state", "optax_accum.parallel._sharding"}
+  assert not names & state, names
 
 
 def test_train_step_loss_over_the_devices_follows_the_reduction():

@@ -16,7 +16,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _collectives, accumulate, microbatch, state_partition_specs
+from optax_accum import accumulate, microbatch, state_partition_specs
+from optax_accum.parallel import _collectives
 
 AX = "data"
 TP = dict(w0=P(None, "model"), b0=P("model"), w1=P("model", None), b1=P())

@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import accumulate, data_parallel, microbatch, state_partition_specs
-from optax_accum._hlo import computations, placements, reachable
+from optax_accum.core._hlo import computations, placements, reachable
 
 AX = "data"
 K = 2  # micro-batches per update
@@ -197,7 +197,7 @@ def _data_reductions(text: str, mesh, branches: bool = True) -> dict[str, int]:
 
 
 def _callees(ins):
-  from optax_accum._hlo import callees
+  from optax_accum.core._hlo import callees
 
   return callees(ins)
 

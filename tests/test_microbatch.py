@@ -95,9 +95,9 @@ def test_microbatch_weights_below_one_give_the_global_token_mean():
 def test_microbatch_weights_below_one_mutation_control(monkeypatch):
   # Issue 42: `maximum(total, 1)` for the core's `total > 0` guard passed this file's other
   # tests; the check above must fail on it.
-  normalise = optax_accum._core.normalise
+  normalise = optax_accum.core._core.normalise
   monkeypatch.setattr(
-    optax_accum._core,
+    optax_accum.core._core,
     "normalise",
     lambda sums, total, like, r: normalise(sums, jnp.maximum(total, 1.0), like, r),
   )

@@ -16,7 +16,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from optax_accum import _hlo, microbatch
+from optax_accum import microbatch
+from optax_accum.core import _hlo
 
 TOL = ref.TOL
 K, B = 4, 32

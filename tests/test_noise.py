@@ -1,4 +1,4 @@
-"""The gradient noise scale (`optax_accum._noise`), against the math.
+"""The gradient noise scale (`optax_accum.batch_size._noise`), against the math.
 
 The per-micro-batch gradients are made by hand here, so these tests do not depend on how a
 front end feeds them in: exactness against the formulas computed independently in float64
@@ -19,7 +19,9 @@ import optax
 import pytest
 from jax import lax
 
-from optax_accum import _core, _noise
+# ----------------------------------------------------------------------------------------------
+from optax_accum.batch_size import _noise
+from optax_accum.core import _core
 
 # ----------------------------------------------------------------------------------------------
 # Helpers.

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import optax_accum
 from optax_accum import FollowNoiseScale, accumulate, noise_scale
-from optax_accum._noise import DEFAULT_DECAY
+from optax_accum.batch_size._noise import DEFAULT_DECAY
 
 AX = "data"
 DIM = 5

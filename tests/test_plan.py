@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from optax_accum import microbatch, plan_microbatches
-from optax_accum._hlo import peak_bytes as compiled_peak_bytes
+from optax_accum.core._hlo import peak_bytes as compiled_peak_bytes
 
 
 def _loss(w, x):

@@ -39,8 +39,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
-from optax_accum import _accumulate, _hlo, _noise, count_collectives
-from optax_accum._hlo import compile_fn, hlo_stats
+from optax_accum import count_collectives
+from optax_accum.batch_size import _noise
+from optax_accum.core import _hlo
+from optax_accum.core._hlo import compile_fn, hlo_stats
+from optax_accum.front_ends import _window
 
 pytestmark = pytest.mark.structure
 
@@ -147,7 +150,7 @@ def test_noise_scale_on_device_emission_copies_no_state_regression_issue_22(monk
   # (1.13-1.18x the step without the statistics on the bench's MLPs). It is read in a
   # conditional of its own now, on the closing micro-step only.
   def compiled(read):
-    monkeypatch.setattr(_accumulate, "SUMS_SQ_READ", read)
+    monkeypatch.setattr(_window, "SUMS_SQ_READ", read)
     tx = optax_accum.accumulate(ADAM, 4, noise_scale=True)
     return _compile_step(tx, tx.init(PARAMS))
 
@@ -238,7 +241,7 @@ def test_trainstep_emitting_program_copies_no_more_than_plain_adam(k, max_ops, m
   # closes; beyond a small model (FUSED_EMIT_MAX_OPS=0 makes this one so) the closing program
   # (the emitting micro-step runs the accumulating program, then it).
   if max_ops is not None:
-    monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
+    monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
   text = step.lower(PARAMS, step.init(PARAMS), BATCH, emit=True).compile().as_text()
   emit = hlo_stats(text)
@@ -260,7 +263,7 @@ def test_trainstep_closing_program_computes_no_gradient(noise_scale, monkeypatch
   # micro-step runs the accumulating program, then the closing program (`lower(emit=True)`),
   # which takes (params, state) only: the backward pass is compiled once, in the accumulating
   # program (positive control: its forward and backward dots).
-  monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", 0)
+  monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 0)
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4, noise_scale=noise_scale)
   state = step.init(PARAMS)
   accumulating = step.lower(PARAMS, state, BATCH, emit=False)
@@ -282,12 +285,12 @@ def test_trainstep_small_model_runs_one_program_per_micro_step(max_ops, monkeypa
   # micro-batch and computes the gradient, not the accumulating program then the closing one:
   # one dispatch fewer per window. The control (max_ops=0): the same model over the limit.
   if max_ops is not None:
-    monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
+    monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", max_ops)
   step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=4)
   state = step.init(PARAMS)
   accumulating = step.lower(PARAMS, state, BATCH)
-  ops = optax_accum._train_step._ops(accumulating)
-  assert ops <= optax_accum._train_step.FUSED_EMIT_MAX_OPS or max_ops == 0, ops
+  ops = optax_accum.front_ends._host.ops(accumulating)
+  assert ops <= optax_accum.front_ends._train_step.FUSED_EMIT_MAX_OPS or max_ops == 0, ops
   emitting = step.lower(PARAMS, state, BATCH, emit=True)
   one = max_ops is None
   assert len(emitting.args_info[0]) == (5 if one else 2)  # a micro-batch in, or (params, state)

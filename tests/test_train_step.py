@@ -74,7 +74,7 @@ def test_train_step_emitting_call_equals_the_fused_emitting_program(noise_scale,
   `test_train_step_equals_dynamic_accumulate`)."""
   # Two programs per emitting micro-step, as beyond a small model (FUSED_EMIT_MAX_OPS): here
   # this test's MLP takes the one program it is compared with (the choice changes no bit).
-  monkeypatch.setattr(optax_accum._train_step, "FUSED_EMIT_MAX_OPS", 0)
+  monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 0)
   k = 3
   mbs = _micro_batches(2 * k + 1, 4, seed=3)
   weights = [1.0, 2.0, 0.0, 0.5, 3.0, 1.0, 2.0]  # a zero weight too

@@ -20,7 +20,8 @@ import pytest
 from jax import lax
 from optax.microbatching import AccumulationType
 
-from optax_accum import _hlo, microbatch
+from optax_accum import microbatch
+from optax_accum.core import _hlo
 
 K, B = 4, 16
 DIMS = ("NHWC", "HWIO", "NHWC")

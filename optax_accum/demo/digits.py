@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 import optax_accum
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 from optax_accum.demo import COMMAND, TASKS, require
 
 _EXTRAS = ("flax", "sklearn", "tqdm", "matplotlib")

@@ -27,7 +27,7 @@ from optax_accum.privacy._mechanism import Mechanism
 from optax_accum.privacy._noise import DPNoiseState, dp_noise, dp_updates
 from optax_accum.privacy._poisson import PoissonBatch, PoissonSampler
 
-_guard.install()  # the front ends' private-path checks (`optax_accum._checks.private_check`)
+_guard.install()  # the front ends' private-path checks (`optax_accum.core._checks.private_check`)
 
 __all__ = [
   "AuditResult",

@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from optax_accum import _checks
+from optax_accum.core import _checks
 from optax_accum.privacy._clipping import check_relation
 
 Accountant = Literal["rdp", "pld"]

@@ -24,8 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optax_accum import _batch, _collectives
-from optax_accum._typing import ArgNums
+from optax_accum.core import _batch
+from optax_accum.core._typing import ArgNums
+from optax_accum.parallel import _collectives
 from optax_accum.privacy import _guard
 
 NO_BATCH = (

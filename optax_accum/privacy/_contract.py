@@ -5,7 +5,7 @@ A path is private when a `dp_noise` sits in the inner optimizer of `accumulate`/
 (found in its state at ``init``) or when the function given to `microbatch`/`TrainStep` is a
 clipped one (`clipped_grad`, `clipped_loss`, what `jax.grad`/`jax.value_and_grad` make of them,
 or any function with ``__dp_private__ = True``). The core recognises both without importing
-this package (`optax_accum._checks`); the errors of the refused rows are its
+this package (`optax_accum.core._checks`); the errors of the refused rows are its
 `PRIVATE_REFUSED` messages, named here by key, so the table and the checks say the same thing.
 
 Verdicts: "kept" — the option changes neither the sensitivity (one example moves the update by
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from optax_accum import _checks
+from optax_accum.core import _checks
 from optax_accum.privacy import _guard
 
 #: Every refused row's message by key: the core's checks' and the privacy package's own.

@@ -4,7 +4,7 @@ The privacy contract's checks that need the privacy package's knowledge: which a
 clipped function splits per example, where the noise stands in the inner chain, whether a
 padded batch keeps its mask, whether device variance is visible, whether `TrainStep` holds both
 halves of the mechanism, and whether sums stay at least float32 until the noise. They are
-installed into `optax_accum._checks.PRIVATE_CHECKS` (the front ends call them by name with one
+installed into `optax_accum.core._checks.PRIVATE_CHECKS` (the front ends call them by name with one
 line each: the core never imports this package), and the clipped functions and `dp_noise` call
 them directly. Each raises `REFUSED[key]`, which names the option, why it voids the guarantee
 and the fix; the rows of `_contract.CONTRACT` name these keys.
@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optax_accum import _accumulate, _checks, _collectives
+from optax_accum.core import _checks
+from optax_accum.front_ends import _config
+from optax_accum.parallel import _collectives
 
 _ON = "on a private path"
 
@@ -371,7 +373,7 @@ def check_train_step(caller: str, clipped: bool, cfg: Any, params: Any) -> None:
   inner_state = jax.eval_shape(cfg.inner.init, params)
   noised = _checks.holds_private_state(inner_state)
   if noised:
-    _accumulate.check_private(cfg, caller, params, inner_state)
+    _config.check_private(cfg, caller, params, inner_state)
   if clipped and not noised:
     refuse("half_clipped", caller)
   if noised and not clipped:

@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import optax
 
-from optax_accum._train_step import TrainStep
-from optax_accum._typing import ArgNums
+from optax_accum.core._typing import ArgNums
+from optax_accum.front_ends._train_step import TrainStep
 from optax_accum.privacy import _accounting, _clipping, _noise, _poisson
 
 

@@ -33,7 +33,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from optax_accum import _checks, _collectives
+from optax_accum.core import _checks
+from optax_accum.parallel import _collectives
 from optax_accum.privacy import _clipping, _guard
 
 # Every key given to a dp_noise that draws noise in this process (its implementation and data,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from optax_accum._typing import SPLITS, Split
+from optax_accum.core._typing import SPLITS, Split
 
 TOO_LARGE = (
   "PoissonSampler: logical batch {step} drew {n} examples, more than max_microbatches={m} "

@@ -27,7 +27,7 @@ import numpy as np
 import optax
 
 import optax_accum
-from optax_accum import _hlo
+from optax_accum.core import _hlo
 from optax_accum.demo.lm import model
 
 METHODS = ("large batch", "TrainStep", "microbatch", "naive")
