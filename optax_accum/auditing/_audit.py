@@ -391,7 +391,9 @@ def audit(
     the batch), the rows above say "n/a", not FAIL;
   * collectives (with `mesh` or `axis_name`): the elements reduced over the data axis per
     update in the compiled programs, FAIL above one gradient's (a reduction per micro-batch,
-    even an exact one, or k of them combined into one collective);
+    even an exact one, or k of them combined into one collective); with parameters sharded over
+    the data axis (FSDP), reduce-scatters per micro-batch are "info" (the least-memory points of
+    ``keep_unsharded``), all-reduces above one gradient still FAIL;
   * accumulator (dtype and bytes per device; FAIL below float32) and peak memory.
 
   Args:

@@ -1,0 +1,138 @@
+"""Where `TrainStep`'s time goes on the optax notebook's MLP, against the hand-written loop.
+
+Issue 42, item 7 asks for `TrainStep` within 1.10× of the hand loop per micro-step on that MLP
+(784-32-32-10, b = 3, k = 3). This splits the gap, side by side in one run (medians over
+rotating rounds, µs per micro-step):
+
+* the whole contenders: `TrainStep`, the hand loop (`small_models.HandLoop`), and `TrainStep`
+  with ``skip_nonfinite=False`` (what the per-micro-batch NaN/Inf check costs);
+* a minimal driver calling `TrainStep`'s own compiled programs in the same order, with no
+  `TrainStep.__call__` around them (what its Python costs);
+* each program alone, called back to back on its own outputs: `TrainStep`'s accumulating and
+  emitting programs, the hand loop's ``acc + grad`` and closing ones (what the programs cost
+  apart from the order they run in).
+
+    python benchmarks/train_step_parts.py            # writes results/cpu/train_step_parts.md
+
+About a minute on 2 CPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import optax_accum  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
+from benchmarks import small_models as sm  # noqa: E402
+
+REPEATS = 300  # windows per sample
+
+
+def _copy(tree):
+  return jax.tree.map(jnp.copy, tree)
+
+
+def contenders(s, params, micro):
+  cross = sm.cross_runners(s, params, micro)
+  ts, hand = cross["TrainStep"], cross["hand loop"]
+  plain = sm.Train(params, s.model.loss, s.k, micro)
+  plain.step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k, skip_nonfinite=False)
+  plain.state = plain.step.init(plain.params)
+  step = ts.step
+  step(_copy(ts.params), _copy(ts.state), micro[0])  # compiled, the programs chosen
+  accumulating, emitting = step._pair[False], step._pair[True]
+  buffer = lambda: step._buffer(params, (micro[0],))  # noqa: E731
+  own = {"p": _copy(params), "s": step.init(_copy(params)), "b": buffer()}
+
+  def minimal():  # TrainStep's programs in its order, without TrainStep.__call__
+    for mb in micro[:-1]:
+      inner = own["s"].inner_state
+      hollow = own["s"]._replace(inner_state=step._hollow(inner))
+      state, own["b"], value = accumulating(own["p"], hollow, own["b"], (mb,), None)
+      own["s"] = state._replace(inner_state=inner)
+    own["p"], own["s"], own["b"], value = emitting(own["p"], own["s"], own["b"], (micro[-1],), None)
+    return value
+
+  acc = {"s": step.init(_copy(params)), "b": buffer()}
+  acc["s"] = acc["s"]._replace(inner_state=step._hollow(acc["s"].inner_state))
+
+  def accumulating_alone():
+    for mb in micro:
+      acc["s"], acc["b"], value = accumulating(params, acc["s"], acc["b"], (mb,), None)
+    return value
+
+  emit = {"p": _copy(params), "s": step.init(_copy(params)), "b": buffer()}
+
+  def emitting_alone():
+    for mb in micro:
+      out = emitting(emit["p"], emit["s"], emit["b"], (mb,), None)
+      emit["p"], emit["s"], emit["b"], value = out
+    return value
+
+  add = {"a": jax.tree.map(jnp.zeros_like, params)}
+
+  def add_alone():
+    for mb in micro:
+      add["a"], value = hand.add(add["a"], params, mb)
+    return value
+
+  close = {"a": jax.tree.map(jnp.zeros_like, params), "p": _copy(params), "s": _copy(hand.state)}
+
+  def close_alone():
+    for mb in micro:
+      close["a"], close["p"], close["s"], value = hand.close(close["a"], close["p"], close["s"], mb)
+    return value
+
+  return {
+    "hand loop": hand.window,
+    "TrainStep": ts.window,
+    "TrainStep, skip_nonfinite=False": plain.window,
+    "TrainStep's programs, minimal driver": minimal,
+    "TrainStep accumulating program alone": accumulating_alone,
+    "TrainStep emitting program alone": emitting_alone,
+    "hand acc + grad program alone": add_alone,
+    "hand closing program alone": close_alone,
+  }
+
+
+def main() -> None:
+  rounds = int(os.environ.get("ROUNDS", 9))
+  s = sm.models()["notebook_mlp"]
+  params = s.model.init(jax.random.key(0))
+  batch = s.model.batch(jax.random.key(1), s.k * s.b)
+  micro = [jax.tree.map(lambda x, i=i: x[i :: s.k], batch) for i in range(s.k)]
+  runs = {n: sm._repeated(f, REPEATS) for n, f in contenders(s, params, micro).items()}
+  load = os.getloadavg()[0]
+  timed = H.run_side_by_side(runs, rounds=rounds, units=s.k * REPEATS)
+  hand = timed["hand loop"]
+  when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+  lines = [
+    "# TrainStep on the notebook MLP: where the time goes (issue 42, item 7)",
+    "",
+    f"`python benchmarks/train_step_parts.py`; {when}, {jax.default_backend()}, "
+    f"{os.cpu_count()} CPUs, jax {jax.__version__}; load average {load:.1f} at the start. "
+    f"{s.what}. µs per micro-step (a program alone: per call), median of {rounds} rotating "
+    f"rounds of {REPEATS} windows; ratio: median of per-round ratios to the hand loop.",
+    "",
+    "| contender | µs | / hand loop |",
+    "|---|---:|---:|",
+  ]
+  for n, t in timed.items():
+    lines.append(f"| {n} | {t.median * 1e6:.1f} | {H.paired_ratio(t, hand):.2f} |")
+  text = "\n".join(lines) + "\n"
+  print(text)
+  out = sm.OUT / "train_step_parts.md"
+  out.write_text(text)
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
