@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optax_accum
@@ -345,6 +345,71 @@ def test_shard_map_step_on_8_devices():
   bad = optax_accum.audit(ref.mlp_loss, params, batch, K, step=summed, **kw)
   assert bad["weighting"].verdict == "FAIL", str(bad)
   assert "the 8 devices of the data axis summed" in bad["weighting"].figure
+
+
+def _fsdp_step(mesh, accumulate_grads):
+  """A whole FSDP step as GSPMD users write it: `jax.jit` with `in_shardings` that shard each
+  parameter (and its Adam moments) over "data" along a dimension of 16, the batch's rows too."""
+
+  def placed(x):
+    dims = [i for i, n in enumerate(np.shape(x)) if n % 8 == 0]
+    spec = P(*([None] * dims[0]), "data") if dims else P()
+    return NamedSharding(mesh, spec)
+
+  params = jax.tree.map(placed, PARAMS)
+  state = jax.tree.map(placed, ADAM.init(PARAMS))
+  batch = NamedSharding(mesh, P("data"))
+  step = make_step(ADAM, accumulate_grads, in_shardings=(params, state, batch),
+                   out_shardings=(params, state))  # fmt: skip
+  return step, (params, state), batch
+
+
+def test_fsdp_step_with_in_shardings_on_8_devices():
+  """A whole FSDP step with `in_shardings` (GSPMD's Auto axes: XLA places the activations).
+  Host arrays: `jax.jit` places them as its `in_shardings` say and the step returns its
+  parameters sharded, which the audit's own programs must take (a raw ValueError from inside
+  the audit before); under `jax.set_mesh` they become replicated arrays that the step
+  refuses, and the refusal names the fix. Placed, the exact loop passes and a loop that keeps
+  only the last micro-batch's gradient fails."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  batch = ref.regression_data(1, 64)
+  kw = dict(optimizer=ADAM, mesh=mesh, axis_name="data", num_updates=2)
+  step, (params, _), rows = _fsdp_step(mesh, mean_grads)
+  host = optax_accum.audit(ref.mlp_loss, PARAMS, batch, K, step=step, **kw)
+  assert host.ok, str(host)
+  refused = r"(?s)in_shardings.*jax\.device_put\(params"
+  with jax.set_mesh(mesh), pytest.raises(TypeError, match=refused):
+    optax_accum.audit(ref.mlp_loss, PARAMS, batch, K, step=step, **kw)
+  placed, batch = jax.device_put(PARAMS, params), jax.device_put(batch, rows)
+  good = optax_accum.audit(ref.mlp_loss, placed, batch, K, step=step, **kw)
+  assert good.ok, str(good)
+  assert good["collectives"].verdict == "ok", str(good)
+  bad, _, _ = _fsdp_step(mesh, only_last)
+  bad = optax_accum.audit(ref.mlp_loss, placed, batch, K, step=bad, **kw)
+  assert bad["every micro-batch counted"].verdict == "FAIL", str(bad)
+
+
+@pytest.mark.parametrize("keep", ["nothing", "params_and_grads"])
+def test_fsdp_microbatch_step_collectives_on_shards_of_a_few_bytes(keep):
+  """`microbatch(keep_unsharded=...)` in a whole step jitted with `in_shardings`, on a model
+  whose shards are 8 to 24 bytes per device: the reduce-scatters read whole gradients and are
+  counted as such (they were taken for scalars by their result's size: "no gradient
+  reduction over the data axis"). "nothing" reduce-scatters per micro-batch: info; the
+  window's one reduction of "params_and_grads": ok."""
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+  _, (params, state), rows = _fsdp_step(mesh, mean_grads)
+  grads = optax_accum.microbatch(jax.grad(ref.mlp_loss), K, axis_name="data",
+                                 keep_unsharded=keep, in_shardings=(params, rows))  # fmt: skip
+  step = make_step(ADAM, lambda _, p, b: grads(p, b), in_shardings=(params, state, rows),
+                   out_shardings=(params, state))  # fmt: skip
+  placed = jax.device_put(PARAMS, params)
+  batch = jax.device_put(ref.regression_data(1, 64), rows)
+  kw = dict(optimizer=ADAM, mesh=mesh, axis_name="data", num_updates=2)
+  with jax.set_mesh(mesh):
+    report = optax_accum.audit(ref.mlp_loss, placed, batch, K, step=step, **kw)
+  assert report.ok, str(report)
+  row = report["collectives"]
+  assert row.verdict == ("info" if keep == "nothing" else "ok"), str(row)
 
 
 # ----------------------------------------------------------------------------------------------

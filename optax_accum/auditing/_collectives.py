@@ -21,8 +21,9 @@ import numpy as np
 from optax_accum.auditing._report import Check
 from optax_accum.core import _hlo
 
-# Collectives whose result holds fewer bytes than this are scalars (loss, weight, finite flags)
-# and are not counted as gradient reductions.
+# Collectives that read fewer bytes than this per device are scalars (loss, weight, finite
+# flags) and are not counted as gradient reductions (what a reduce-scatter reads: its result is
+# one device's share, a few bytes for a small parameter over many devices).
 GRAD_MIN_BYTES = 32
 REDUCTIONS = ("all-reduce", "reduce-scatter")
 # More than this many gradients' elements reduced per update is a reduction per micro-batch
@@ -109,7 +110,7 @@ def check(s: Any, programs: list[tuple[str, str]] | None, note: str) -> Check:
   count = loop = rare = elements = size = all_reduced = 0
   for kind, text in programs:
     for op in _hlo.collective_ops(text):
-      if op.op not in REDUCTIONS or op.result_bytes < GRAD_MIN_BYTES:
+      if op.op not in REDUCTIONS or op.input_bytes < GRAD_MIN_BYTES:
         continue
       if not _crosses(op.groups, s.mesh, axis):
         continue

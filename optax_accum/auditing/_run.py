@@ -56,13 +56,19 @@ class Setup:
   opt_state: Any  # the initial state of `step`'s optimizer
   # Compiled programs by name, each compiled once and used for its runs and its memory and
   # collectives (`jax.jit(f).lower(...).compile()` does not share `jax.jit(f)`'s cache).
-  compiled: dict[str, Any] = dataclasses.field(default_factory=dict)
+  compiled: dict[tuple, Any] = dataclasses.field(default_factory=dict)
 
   def aot(self, name: str, fun: Callable[..., Any], *args: Any) -> Any:
-    """`fun` compiled for `args` (once per `name`)."""
-    if name not in self.compiled:
-      self.compiled[name] = jax.jit(fun).lower(*args).compile()
-    return self.compiled[name]
+    """`fun` compiled for `args` (once per `name` and placement of `args`: a step jitted
+    with ``out_shardings`` may return its parameters placed otherwise than it was given them)."""
+    placed = tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args))
+    if (name, placed) not in self.compiled:
+      self.compiled[name, placed] = jax.jit(fun).lower(*args).compile()
+    return self.compiled[name, placed]
+
+  def program(self, name: str) -> Any:
+    """The program first compiled under `name` (None if none was)."""
+    return next((c for (n, _), c in self.compiled.items() if n == name), None)
 
   def grad(self, params: Any, batch: Any) -> Any:
     """The gradient of the loss on `batch` (the large batch or one micro-batch)."""
@@ -404,5 +410,5 @@ def peak_bytes(s: Setup, program: str) -> tuple[int | None, int | None]:
   """Compiled peak bytes of the accumulated step (`program`, or one micro-step's gradient) and
   of the large batch's gradient."""
   s.grad(s.params, s.batch), s.grad(s.params, s.micro[0])  # compiled here if not yet
-  name = program if program in s.compiled else "micro"
-  return _hlo.memory(s.compiled[name]).get("peak"), _hlo.memory(s.compiled["large"]).get("peak")
+  compiled = s.program(program) or s.program("micro")
+  return _hlo.memory(compiled).get("peak"), _hlo.memory(s.program("large")).get("peak")

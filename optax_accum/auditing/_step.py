@@ -247,10 +247,23 @@ def _call(s: run.Setup) -> Any:
   return call
 
 
+# What `jax.jit` says when an argument is placed otherwise than its `in_shardings`.
+_PLACED_OTHERWISE = "does not match the sharding on the respective arg"
+
+
 def _call_failed(s: run.Setup, e: Exception) -> str:
   what = _what(s)
   data = "one micro-batch" if s.per_micro_batch else "the whole batch"
   key = ", key" if s.keyed is not None else ""
+  if _PLACED_OTHERWISE in str(e):  # a step jitted with in_shardings, given host arrays
+    return (
+      f"audit: your {what} is jitted with in_shardings that the arrays the audit passed do "
+      f"not have: {e}\nThe audit passes your arrays as you placed them: place the parameters, "
+      "opt_state and batch as your step takes them before calling the audit (e.g. params = "
+      "jax.device_put(params, param_shardings), opt_state=jax.device_put(optimizer.init("
+      "params), state_shardings), batch likewise): host arrays are placed before your step sees "
+      "them (on one device, or replicated under jax.set_mesh)."
+    )
   return (
     f"audit: your {what} raised {type(e).__name__} when the audit called it as "
     f"{what}(params, opt_state, batch{key}): {e}\nThe audit passes your parameters, your "
