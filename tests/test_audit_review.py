@@ -347,6 +347,54 @@ def test_shard_map_step_on_8_devices():
   assert "the 8 devices of the data axis summed" in bad["weighting"].figure
 
 
+def dropout_loss(params, batch, key):
+  x = batch["x"] * jax.random.bernoulli(key, 0.8, batch["x"].shape) / 0.8
+  return ref.mlp_loss(params, {**batch, "x": x})
+
+
+def keyed_shard_map_step(mesh, *, per_micro_batch=True, per_device=True):
+  """A `shard_map` step with dropout: each device's micro-batch i draws with the key folded
+  with the device's index and with i (the exact loop), or with one key for all of a device's
+  micro-batches, or with the same keys on every device."""
+
+  def grads_of(params, batch, key):
+    local = jax.lax.pcast(params, "data", to="varying")
+    if per_device:
+      key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+    grads = [
+      jax.grad(dropout_loss)(local, mb, jax.random.fold_in(key, i) if per_micro_batch else key)
+      for i, mb in enumerate(micro_batches(batch))
+    ]
+    return jax.lax.pmean(jax.tree.map(lambda *g: sum(g) / K, *grads), "data")
+
+  grads_of = jax.shard_map(grads_of, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P())
+
+  @jax.jit
+  def train_step(params, opt_state, batch, key):
+    updates, opt_state = ADAM.update(grads_of(params, batch, key), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  return train_step
+
+
+@pytest.mark.slow
+def test_shard_map_keys_per_device_and_micro_batch():
+  """Inside `shard_map` each device draws for its own rows: a key per device and micro-batch.
+  One key for all of a device's micro-batches (8 distinct keys) and the same keys on every
+  device (4) were counted against k = 4 and passed; they FAIL against 32."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  batch = jax.device_put(ref.regression_data(1, 64), NamedSharding(mesh, P("data")))
+  kw = dict(optimizer=ADAM, mesh=mesh, axis_name="data", num_updates=1, rng=jax.random.key(0))
+  row = "randomness: a key per micro-batch"
+  for shape, verdict in (({}, "ok"), (dict(per_micro_batch=False), "FAIL"),
+                         (dict(per_device=False), "FAIL")):  # fmt: skip
+    step = keyed_shard_map_step(mesh, **shape)
+    report = optax_accum.audit(dropout_loss, params, batch, K, step=step, **kw)
+    assert report[row].verdict == verdict, (shape, str(report))
+    assert "on each of 8 devices" in report[row].figure and ">= 32" in report[row].threshold
+
+
 def _fsdp_step(mesh, accumulate_grads):
   """A whole FSDP step as GSPMD users write it: `jax.jit` with `in_shardings` that shard each
   parameter (and its Adam moments) over "data" along a dimension of 16, the batch's rows too."""

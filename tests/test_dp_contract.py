@@ -570,6 +570,30 @@ def _mechanism_take():
   return float(np.sqrt(sum(np.sum(d**2) for d in diff))) * mech.expected_batch_size / C
 
 
+def _window_by_every_k():
+  """Mechanism.train_step fed a Poisson batch's micro-batches without force_emit: the window
+  every_k would close is refused before it runs."""
+  sampler = oa.privacy.PoissonSampler(N, 1 / 6, 4, seed=0)
+  mech = oa.privacy.Mechanism(loss, C, sampler=sampler, key=jax.random.key(5006),
+                              noise_multiplier=SIGMA, batch_argnums=(1, 2))  # fmt: skip
+  step = mech.train_step(optax.sgd(1.0), every_k=1, donate=False)
+  step(P0, step.init(P0), *sampler.batch(0).take(X, Y, microbatch=0))
+
+
+def _batch_statistic():
+  """A loss normalising with the mean over the data axis (sync BatchNorm), clipped per device
+  in shard_map over 8 devices."""
+
+  def synced(p, x, y):
+    return loss(p, x - lax.pmean(jnp.mean(x, axis=0), AX), y)
+
+  clipped = oa.privacy.clipped_grad(synced, C, batch_argnums=(1, 2), mask_argnum=3)
+  pspec = jax.tree.map(lambda _: P(), P0)
+  mesh = jax.make_mesh((8,), (AX,), axis_types=(jax.sharding.AxisType.Auto,))
+  run = jax.shard_map(clipped, mesh=mesh, in_specs=(pspec, P(AX), P(AX), P(AX)), out_specs=pspec)
+  jax.jit(run)(P0, X, Y, mask(True))
+
+
 def _resumed():
   """Two updates uninterrupted, and the same two with the state saved after the first and
   dp_noise rebuilt on the same key (allow_key_reuse=True): identical; the saved state holds no
@@ -935,6 +959,12 @@ REFUSALS = {
     CLIPPED_LOSS
   )(BF16, X[:16], Y[:16], mask(True)[:16]),
   "clipped_grad:inside shard_map(check_vma=False) or pmap": _clipped_without_variance,
+  "clipped_grad:a psum or pmean over the batch's axis in the loss (sync BatchNorm)": (
+    _batch_statistic
+  ),
+  "TrainStep:Mechanism.train_step: a window that every_k closes, not force_emit": (
+    _window_by_every_k
+  ),
   "dp_noise:inside shard_map(check_vma=False) or pmap": _noise_without_variance,
   "dp_noise:a key drawn from before in this process": _key_drawn_before,
   "dp_noise:a traced key (built under jax.jit or jax.vmap)": _key_traced,

@@ -478,7 +478,7 @@ def audit(
              accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip
   ref = Reference(s)
   draws = None
-  with keys.recording() as recorded:
+  with keys.recording(collectives.data_axis(s)) as recorded:
     out = _run(s, front_end)
   if s.keyed is not None and not (front_end == "TrainStep" and not run.train_step_passes_keys(s)):
     draws = recorded

@@ -504,11 +504,17 @@ def randomness(s: run.Setup, ref: Any, draws: list[tuple[int, ...]] | None, out:
     micro = sum(w.calls for w in out.windows)
   else:  # a whole step is called once per update: with the keys known, each its own
     micro = s.k * (len(out.windows) if s.step is not None and s.keys_known else 1)
-  want = micro * distinct_per
+  # Inside a map over the data axis (shard_map) each device draws for its own rows of every
+  # micro-batch: a key per device and micro-batch (the same key on two devices draws the same
+  # dropout mask for different examples). Under plain jit a draw covers the global array.
+  devices = len(set(getattr(draws, "devices", ()))) or 1
+  want = micro * distinct_per * devices
   distinct = len(set(draws))
   figure = (
-    f"{len(draws)} draws from {distinct} distinct keys over {micro} micro-batches (your loss "
-    f"draws with {distinct_per} key{'s' if distinct_per > 1 else ''} per micro-batch)"
+    f"{len(draws)} draws from {distinct} distinct keys over {micro} micro-batches"
+    + (f" on each of {devices} devices of the data axis" if devices > 1 else "")
+    + f" (your loss draws with {distinct_per} key{'s' if distinct_per > 1 else ''} per "
+    "micro-batch)"
   )
   return Check(name, "ok" if distinct >= want else "FAIL", figure, f">= {want} distinct keys")
 

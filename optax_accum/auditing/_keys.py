@@ -54,19 +54,41 @@ class _Recorder:
 
   def __init__(self):
     self.lock = threading.Lock()
-    self.draws: list[tuple[int, ...]] | None = None
+    self.draws: Draws | None = None
+    self.axis: Any = None  # the data axis, whose index each draw inside a map over it records
 
-  def add(self, data: np.ndarray) -> None:
+  def add(self, data: np.ndarray, device: np.ndarray) -> None:
     with self.lock:
       if self.draws is not None:
         self.draws.append(tuple(int(w) for w in np.asarray(data).reshape(-1)))
+        self.draws.devices.append(int(device))
+
+
+class Draws(list):
+  """The keys drawn with (a tuple of key words per draw), and in `devices` the index along the
+  data axis of the device that drew each (0 for a draw outside a map over that axis: under
+  plain `jax.jit` a draw is one, for the whole global array)."""
+
+  def __init__(self):
+    super().__init__()
+    self.devices: list[int] = []
 
 
 RECORDER = _Recorder()
 
 
+def _device_index() -> jax.Array:
+  """The drawing device's index along the data axis inside a map over it (`shard_map`), else 0."""
+  if RECORDER.axis is None:
+    return jnp.int32(0)
+  try:
+    return jax.lax.axis_index(RECORDER.axis)
+  except NameError:  # not inside a map over the axis
+    return jnp.int32(0)
+
+
 def _recorded_bits(data: jax.Array, bit_width: int, shape: tuple[int, ...]) -> jax.Array:
-  jax.debug.callback(RECORDER.add, data)
+  jax.debug.callback(RECORDER.add, data, _device_index())
   return _zero_bits(data, bit_width, shape)
 
 
@@ -109,17 +131,22 @@ def constant_key() -> jax.Array:
 
 
 class recording:  # noqa: N801  # used as a context manager, like `jax.enable_x64`
-  """``with recording() as draws:`` collects in `draws` the key of every draw made with a
-  `RECORDING` key while it is open (each a tuple of key words), after the programs finished."""
+  """``with recording(axis) as draws:`` collects in `draws` (`Draws`) the key of every draw made
+  with a `RECORDING` key while it is open (each a tuple of key words), after the programs
+  finished, and the index along the data axis `axis` (None: none) of the device that drew."""
 
-  def __enter__(self) -> list[tuple[int, ...]]:
+  def __init__(self, axis: Any = None):
+    self.axis = axis
+
+  def __enter__(self) -> Draws:
     with RECORDER.lock:
       if RECORDER.draws is not None:
         raise RuntimeError("audit: recordings of keys do not nest.")
-      RECORDER.draws = self.draws = []
+      RECORDER.draws = self.draws = Draws()
+      RECORDER.axis = self.axis
     return self.draws
 
   def __exit__(self, *exc: Any) -> None:
     jax.effects_barrier()
     with RECORDER.lock:
-      RECORDER.draws = None
+      RECORDER.draws, RECORDER.axis = None, None

@@ -221,6 +221,14 @@ _WHY = (
 # What each refused option does to the guarantee, and the fix: `refuse_private` formats one into
 # the error (``{caller}`` the front end). One key per refused row of the contract.
 PRIVATE_REFUSED: dict[str, str] = {
+  "window_not_batch": (
+    "{caller}: this window reached every_k = {k} micro-batches without force_emit. A "
+    "privacy.Mechanism's window is one Poisson batch: pass force_emit=True on each batch's last "
+    "micro-batch (i == batch.num_microbatches - 1); every_k is only a cap above any batch. "
+    "Closed here, the window would hold micro-batches of two batches in one update (an example "
+    "sampled in both counted twice: 2·C), and the accountant would count updates that are not "
+    "the sampler's batches. Nothing was run or changed."
+  ),
   "reduction_mean": (
     "{caller}: reduction='mean' " + _WHY + " divides the clipped sum by the realised total "
     "weight (the number of micro-batches, which depends on the data: one example more can add a "

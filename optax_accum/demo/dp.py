@@ -8,7 +8,7 @@ handwritten digits with Poisson-sampled logical batches far larger than the micr
   ``batch.take(x, y, microbatch=i)``: micro-batch ``i``'s rows in the batch's own layout (its
   split) *and* their mask, which never travel apart;
 * `privacy.Mechanism(loss, C, sampler=..., key=..., noise_multiplier=σ)` holds the whole
-  mechanism; its `train_step(adam, every_k)` is
+  mechanism; its `train_step(adam)` is
   ``TrainStep(clipped_loss(loss, C, mask_argnum=3), chain(dp_noise(σ, C, B, key), adam),
   reduction="sum")``: it sums the clipped per-example gradients over the batch's micro-steps
   (the window length is chosen on the host, ``force_emit`` on the last micro-step) and adds the
@@ -114,8 +114,8 @@ def train_private(args, params, x, y, sigma: float) -> tuple[Any, Any, int]:
     loss, args.clip, sampler=sampler, key=jax.random.key(args.seed + 1), noise_multiplier=sigma,
     delta=args.delta, batch_argnums=(1, 2),
   )  # fmt: skip
-  # every_k: a cap above any window (force_emit closes each one).
-  step = mech.train_step(optax.adam(args.lr), every_k=len(x) // args.micro + 1)
+  # A window per Poisson batch: force_emit closes each one.
+  step = mech.train_step(optax.adam(args.lr))
   state, micro_steps = step.init(params), 0
   bar = _bar(args, "private")
   for _ in range(args.updates):

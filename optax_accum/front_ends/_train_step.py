@@ -303,6 +303,9 @@ class TrainStep:
     # The open window's length (a restored state's may differ; FollowNoiseScale's changes).
     self._window_k = getattr(every_k, "min_k", every_k)
     self._last_state: Any = None
+    # Whether only force_emit may close a window (`privacy.Mechanism.train_step`: a window is one
+    # Poisson batch; every_k a cap above any).
+    self._batch_windows = False
     self._last_params: Any = None  # the parameters the last call returned
     self._arrays = True  # whether every leaf of those parameters is an array (`_host.all_arrays`)
     self._donates = donate
@@ -572,6 +575,9 @@ class TrainStep:
     if self._donates and (fresh or params is not self._last_params):
       params, state = _host.distinct(params, state)  # never one buffer donated twice
     emit = force_emit or self._position + 1 >= self._window_k
+    if emit and not force_emit and self._batch_windows:
+      text = _checks.PRIVATE_REFUSED["window_not_batch"]
+      raise ValueError(text.format(caller="TrainStep", k=self._window_k))
     if not self._pinned:
       self._pin(params)
     if not self._chosen:  # the first call: the programs compiled, the emitting one chosen

@@ -210,6 +210,13 @@ MIXES_EXAMPLES = (
 )
 # Collectives whose transpose brings another device's cotangent into this one's gradient.
 _MIXING = frozenset({"all_gather", "reduce_scatter", "all_to_all", "ppermute"})
+# Reductions whose forward value brings other devices' values into this one's (a `pmean` is a
+# `psum` divided by the axis size).
+_REDUCING = frozenset({"psum", "psum_invariant", "psum2", "pmax", "pmin"})
+_SAID = {p: "psum (or pmean)" for p in ("psum", "psum_invariant", "psum2")} | {
+  "pmax": "pmax",
+  "pmin": "pmin",
+}
 
 
 def _is_param(x: Any) -> bool:
@@ -227,7 +234,7 @@ def _collectives_in(jaxpr: Any) -> set[tuple[str, tuple[str, ...]]]:
   found = set()
   for eqn in jaxpr.eqns:
     axes = eqn.params.get("axis_name", eqn.params.get("axes"))
-    if axes is not None and eqn.primitive.name in _MIXING:
+    if axes is not None and eqn.primitive.name in _MIXING | _REDUCING:
       found.add((eqn.primitive.name, tuple(axes) if isinstance(axes, tuple | list) else (axes,)))
     for value in eqn.params.values():
       for sub in value if isinstance(value, tuple | list) else (value,):
@@ -244,6 +251,9 @@ def _check_no_mixing(loss, params, args, batch_axes: frozenset) -> None:
   for prim, axes in sorted(_collectives_in(jaxpr)):
     hit = tuple(a for a in axes if a in batch_axes)
     if hit:
+      if prim in _REDUCING:
+        text = _guard.REFUSED["batch_statistic"]
+        raise ValueError(text.format(caller="clipped_grad", prim=_SAID[prim], axes=hit))
       raise ValueError(MIXES_EXAMPLES.format(prim=prim, axes=hit))
 
 
@@ -369,6 +379,14 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
   l2_clip, nums, mask_argnum = opts.l2_clip, opts.nums, opts.mask_argnum
   _guard.check_variance(opts.caller)
   args = list(args)
+  if mask_argnum is not None and mask_argnum > len(args):
+    raise TypeError(
+      f"{opts.caller}: the batch's mask is argument {mask_argnum} (right after the batch "
+      f"arguments), but only {len(args)} argument(s) came after the parameters. Pass the "
+      "rows with their mask, step(params, state, *batch.take(x, y, microbatch=i)), never the "
+      "rows alone (padding rows would count as examples); mask_argnum=None for a batch with "
+      "no padding."
+    )
   mask = args.pop(mask_argnum - 1) if mask_argnum is not None else None
   size = _batch_size(args, nums)
   batch = [args[n - 1] for n in nums]
@@ -396,7 +414,18 @@ def clipped_sum(loss, opts: Options, params, args) -> Clipped:
 
   in_axes = (None, *[0 if n + 1 in nums else None for n in range(len(args))])
   per_example = jax.vmap(jax.value_and_grad(example_loss, has_aux=opts.has_aux), in_axes=in_axes)
-  values, grads = per_example(local, *args)
+  try:
+    values, grads = per_example(local, *args)
+  except TypeError as e:
+    if "scalar-output" not in str(e):
+      raise
+    whole = jax.eval_shape(lambda d: loss(params.rebuild(d), *args), diff)
+    shape = getattr(whole[0] if opts.has_aux else whole, "shape", None)
+    raise TypeError(
+      f"{opts.caller}: the loss must return a scalar for a batch (a mean or a sum over its "
+      f"examples; it is given one example at a time), and it returned shape {shape} for "
+      f"this batch of {size}: reduce it, e.g. return jnp.mean(losses)."
+    ) from None
   values, aux = values if opts.has_aux else (values, None)
   r, f = _scaled_norms(grads, real, batch_axes, l2_clip)
   # A non-finite gradient would carry an unbounded (NaN) contribution: it counts as 0.

@@ -165,6 +165,10 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
   _R("TrainStep", "bfloat16 parameters", REFUSED,
      "clipped_loss's gradient has the parameters' dtype: each micro-step's clipped sum rounded "
      "before the noise", "narrow_sums"),
+  _R("TrainStep", "Mechanism.train_step: a window that every_k closes, not force_emit", REFUSED,
+     "a window is one Poisson batch: closed by every_k inside or across batches, it joins two "
+     "batches' micro-batches in one update (an example sampled in both counts twice)",
+     "window_not_batch"),
   _R("TrainStep", "step(..., force_emit=True), loss_fn with mask_argnum=None", REFUSED,
      "variable windows are a padded sampler's batches: padding rows would count as example 0",
      "unmasked_padding"),
@@ -246,6 +250,9 @@ CONTRACT: tuple[ContractRow, ...] = _Rows((
      "batches declared without padding: every row is a real example, as declared"),
   _R("clipped_grad", "shared_argnums", KEPT,
      "an argument declared the same for every example: passed whole, as declared"),
+  _R("clipped_grad", "a psum or pmean over the batch's axis in the loss (sync BatchNorm)",
+     REFUSED, "each example's value depends on other devices' examples: one example reaches "
+     "every device's per-example gradients", "batch_statistic"),
   _R("clipped_grad", "inside shard_map(check_vma=False) or pmap", REFUSED,
      "no device-variance types: a model shard's gradient clipped alone (√2·C per example)",
      "no_variance"),

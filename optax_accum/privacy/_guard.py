@@ -27,6 +27,15 @@ from optax_accum.parallel import _collectives
 _ON = "on a private path"
 
 REFUSED: dict[str, str] = {
+  "batch_statistic": (
+    "{caller}: the loss has a `{prim}` over {axes}, an axis the examples are split over (the "
+    "batch varies over it): its value on one device depends on the examples of every other "
+    "device of that axis (a batch statistic shared across devices, as BatchNorm with "
+    "`axis_name=` computes), so one example reaches every device's 'per-example' gradients and "
+    "clipping each does not bound its contribution. A private loss must compute each example's "
+    "value from that example alone: normalise per example (LayerNorm, GroupNorm) or with "
+    "statistics that are not the batch's."
+  ),
   "unsplit_argument": (
     "{caller}: argument {n} has leading size {size} (at {where}), the size of the batch being "
     "split per {unit}, but it is not among batch_argnums={nums}: it is passed whole to every "
@@ -91,14 +100,14 @@ REFUSED: dict[str, str] = {
     "{caller}: the loss is clipped (privacy.clipped_loss) but the inner optimizer holds no "
     "privacy.dp_noise: TrainStep would apply the clipped sums with no noise at all, and no ε "
     "holds for that. Use inner=optax.chain(privacy.dp_noise(σ, C, B, key), ...), or "
-    "privacy.Mechanism(...).train_step(tx, every_k), which builds both halves together."
+    "privacy.Mechanism(...).train_step(tx), which builds both halves together."
   ),
   "half_noise": (
     "{caller}: the inner optimizer holds privacy.dp_noise but the loss is not a clipped one: "
     "each example's gradient reaches the sum unbounded (62·C/B measured), so noise scaled to C "
     "bounds nothing and the printed (ε, δ) is false. Use loss_fn=privacy.clipped_loss(loss, C, "
     "...) (a wrapper of it keeps the mark through functools.wraps), or "
-    "privacy.Mechanism(...).train_step(tx, every_k)."
+    "privacy.Mechanism(...).train_step(tx)."
   ),
   "narrow_sums": (
     "{caller}: the clipped sums reach the accumulator as {dtype} {ON}: clipped_loss's gradient "

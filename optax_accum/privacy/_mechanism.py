@@ -17,6 +17,7 @@ optimizer and the (Poisson) data loader together.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,8 @@ class Mechanism:
     gradient of `loss_fn`, which take the batch's mask after the batch arguments
     (``loss(params, x, y, mask)`` for ``batch_argnums=(1, 2)``): padding never counts;
   * `optimizer(tx)`: ``optax.chain(dp_noise(σ, C, B, key), tx)``, the noise first;
-  * `train_step(tx, every_k)`: ``TrainStep(loss, optimizer(tx), every_k, reduction="sum")``;
+  * `train_step(tx)`: ``TrainStep(loss, optimizer(tx), every_k, reduction="sum")``, each window
+    one sampled batch (closed by ``force_emit=True`` on its last micro-batch);
   * `epsilon(state)`: ε after the updates `state` has made (`dp_updates`), for δ.
 
   A mechanism is one run: its key draws one noise stream, so a second optimizer (or a second
@@ -102,7 +104,7 @@ class Mechanism:
   >>> sampler = privacy.PoissonSampler(1000, 0.064, 16, seed=0)
   >>> mech = privacy.Mechanism(loss, 1.0, sampler=sampler, key=jax.random.key(271_828),
   ...                          noise_multiplier=1.1, batch_argnums=(1, 2))
-  >>> step = mech.train_step(optax.sgd(0.1), every_k=8)
+  >>> step = mech.train_step(optax.sgd(0.1))
   >>> mech.expected_batch_size, mech.mask_argnum
   (64.0, 3)
   """
@@ -146,6 +148,10 @@ class Mechanism:
       noise_multiplier, epsilon, delta, updates, sampler.sampling_rate, accountant,
       neighboring_relation,
     )  # fmt: skip
+    try:  # the key checked now, not when the noise is first handed out
+      _noise._key_data(key)
+    except (TypeError, ValueError) as e:
+      raise type(e)(str(e).replace("dp_noise:", "Mechanism:", 1)) from None
     self._key, self._allow = key, bool(allow_key_reuse)
     self._noise = None
 
@@ -187,11 +193,22 @@ class Mechanism:
     noise = self.noise()
     return noise if tx is None else optax.chain(noise, tx)
 
-  def train_step(self, tx: optax.GradientTransformation, every_k: int, **kwargs: Any):
+  def train_step(self, tx: optax.GradientTransformation, every_k: int | None = None, **kwargs: Any):
     """``TrainStep(self.loss, self.optimizer(tx), every_k, reduction="sum", **kwargs)``: call it
-    with the batch's rows and mask, ``step(params, state, *batch.take(x, y))`` for each
-    micro-batch, ``force_emit=True`` on a Poisson batch's last one."""
-    return TrainStep(self.loss, self.optimizer(tx), every_k, reduction="sum", **kwargs)
+    with the batch's rows and mask, ``step(params, state, *batch.take(x, y, microbatch=i))``
+    for each micro-batch, ``force_emit=True`` on a Poisson batch's last one.
+
+    A window is one sampled batch: `force_emit` closes it, and `every_k` is only a cap above
+    any window (default: the most micro-batches a batch can hold, the sampler's
+    `max_microbatches` or all its examples). A window that reaches `every_k` without
+    `force_emit` is refused before it runs (it would join two batches in one update: an
+    example sampled in both counted twice)."""
+    s = self.sampler
+    most = s.max_microbatches or math.ceil(s.num_examples / s.microbatch_size)
+    step = TrainStep(self.loss, self.optimizer(tx), most if every_k is None else every_k,
+                     reduction="sum", **kwargs)  # fmt: skip
+    step._batch_windows = True
+    return step
 
   def epsilon(self, state_or_updates: Any, delta: float | None = None) -> float:
     """ε after the updates an optimizer state has made (`dp_updates`), or after a count."""
