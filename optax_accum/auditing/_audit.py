@@ -99,6 +99,26 @@ def _check_rng(rng: Any) -> None:
   )
 
 
+def _check_loss(s: run.Setup, loss_fn: Callable[..., Any]) -> None:
+  """Refuses, before anything is compiled, a loss the audit cannot differentiate: one that
+  fails when called as ``loss_fn(params, micro_batch[, key])``, or returns anything but a
+  scalar."""
+  call = "loss_fn(params, batch, key)" if s.keyed is not None else "loss_fn(params, batch)"
+  try:
+    out = jax.eval_shape(s.loss, s.params, s.micro[0])
+  except TypeError as e:
+    key = "" if s.keyed is not None else " (does it take a key? pass rng=, the key your loop uses)"
+    raise TypeError(f"audit: loss_fn raised TypeError when called as {call}{key}: {e}") from None
+  if isinstance(out, jax.ShapeDtypeStruct) and out.shape == ():
+    return
+  got = f"shape {out.shape}" if isinstance(out, jax.ShapeDtypeStruct) else type(out).__name__
+  aux = " (a loss with aux: pass loss_fn=lambda p, b: f(p, b)[0])" if isinstance(out, tuple) else ""
+  raise TypeError(
+    f"audit: loss_fn must return a scalar, the loss of the batch it is given (a mean or a sum "
+    f"over its examples), got {got} from {call}{aux}."
+  )
+
+
 def _batch_size(batch: Any, k: int) -> int:
   sizes = {np.shape(x)[0] if np.ndim(x) else None for x in jax.tree.leaves(batch)}
   if len(sizes) != 1 or None in sizes:
@@ -202,7 +222,7 @@ class Reference:
       np.arange(d * block + i, (d + 1) * block, s.k) for i in range(s.k) for d in range(devices)
     ]
     params = jax.device_get(s.params)
-    grad = lambda b: s.aot("share", jax.grad(s.loss), params, b)(params, b)
+    grad = lambda b: s.aot("share", run.grad_of(s.loss), params, b)(params, b)
     try:  # on one device: a loss that names mesh axes (out_sharding=) cannot run there
       pieces = np.stack([flat(grad(jax.tree.map(lambda x, r=r: x[r], host))) for r in rows])
     except Exception:  # noqa: BLE001  # then the rows say the loop is no sum of micro-batches
@@ -252,7 +272,7 @@ def compute_dtype(s: run.Setup) -> Any:
   output of any operation but a cast), or None: a loss that casts float32 parameters to
   bfloat16 rounds every product to bfloat16, and the large batch and the micro-batches then
   differ by bfloat16's rounding whatever the gradients' own dtype."""
-  jaxpr = jax.make_jaxpr(jax.grad(s.loss))(s.params, s.micro[0])
+  jaxpr = jax.make_jaxpr(run.grad_of(s.loss))(s.params, s.micro[0])
   found: list[Any] = []
 
   def visit(j: Any) -> None:
@@ -476,6 +496,7 @@ def audit(
   _batch_size(batch, k)
   s = _setup(loss_fn, params, batch, k, rng, weight_fn, optimizer, wrap, mesh, axis_name,
              accum_dtype, reduction, num_updates, step, micro_step, opt_state)  # fmt: skip
+  _check_loss(s, loss_fn)
   ref = Reference(s)
   draws = None
   with keys.recording(collectives.data_axis(s)) as recorded:

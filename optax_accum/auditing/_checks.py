@@ -132,6 +132,12 @@ def _unseen(out: run.Run) -> str:
   """Why a row has no gradient to judge: the equivalence row says it in full."""
   if out.windows and all(w.grads is None and w.through is None for w in out.windows):
     return "see 'equivalence: gradient'"
+  if any(w.through is not None for w in out.windows):
+    return (
+      "some updates' gradients were read back and others judged through your optimizer "
+      "(where it was not affine in them: see 'equivalence: gradient'), so no replay of the "
+      "optimizer on the loop's gradients"
+    )
   return out.note or "the loop made no update"
 
 
@@ -422,6 +428,9 @@ def _explain(s: run.Setup, ref: Any, out: run.Run) -> tuple[Check, Check]:
   threshold = f"your optimizer on Σ cᵢgᵢ {ref.threshold}"
   if not bad:
     figure = "every update is your optimizer's on the large batch's gradient (see 'equivalence')"
+    blind = _scale_blind(s, ref, out)
+    if blind:
+      return Check(names[0], "ok", figure, threshold), na(names[1], blind, threshold)
     return Check(names[0], "ok", figure, threshold), Check(names[1], "ok", figure, threshold)
   j = bad[0]
   w = out.windows[j]
@@ -440,6 +449,27 @@ def _explain(s: run.Setup, ref: Any, out: run.Run) -> tuple[Check, Check]:
     "counted again or weighed wrong explains the update (see 'equivalence: gradient')"
   )
   return na(names[0], why), na(names[1], why)
+
+
+def _scale_blind(s: run.Setup, ref: Any, out: run.Run) -> str:
+  """Why the weighting cannot be judged through the optimizer, or "": where every window's
+  update and state are also the optimizer's on the large batch's gradient times k or 1/k (a
+  clip that acts before a stateless update, a sign), a loop off by that factor (a sum for a
+  mean, a division by k done twice) makes the same updates: the scale is invisible there."""
+  judged = [w for w in out.windows if w.through]
+  if not judged or s.k == 1:
+    return ""
+  for factor, fault in ((s.k, "a sum of the micro-batches' means"), (1 / s.k, "k divided twice")):
+    if all(ref.tol >= compare_through(w, factor * flat(ref.large(w.params)), ref)[1]
+           for w in judged):  # fmt: skip
+      return (
+        f"your optimizer makes the same updates and state from the large batch's gradient "
+        f"times {coefficients(np.array([factor]))[1:-1]} at these parameters (a clip that "
+        f"acts, a sign, a normalisation), so a loop off by that factor ({fault}) would pass: "
+        "the scale is not judged; audit where the optimizer does not normalise it (a loss "
+        "scaled down below the clip, or the optimizer without the clip) to judge it"
+      )
+  return ""
 
 
 def compare_through(w: run.Window, vec: np.ndarray, ref: Any) -> tuple[str, float]:

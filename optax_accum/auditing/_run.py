@@ -77,7 +77,7 @@ class Setup:
       if jax.tree.leaves(batch)[0].shape == jax.tree.leaves(self.batch)[0].shape
       else "micro"
     )
-    return self.aot(name, jax.grad(self.loss), params, batch)(params, batch)
+    return self.aot(name, grad_of(self.loss), params, batch)(params, batch)
 
   def full(self, arrays: Any) -> Any:
     """The user's parameters from their array leaves (non-array leaves put back)."""
@@ -101,6 +101,20 @@ class Setup:
 
 def _none(x: Any) -> bool:
   return x is None
+
+
+def grad_of(fun: Callable[..., Any]) -> Callable[..., Any]:
+  """`jax.grad` of `fun` over every array leaf of its first argument: an integer or bool leaf
+  (a counter, a buffer beside the weights) has no gradient, and gets zeros of its own dtype
+  (`jax.grad` refuses such leaves, and ``allow_int=True`` alone gives float0 arrays)."""
+  grad = jax.grad(fun, allow_int=True)
+
+  def grads(params: Any, *args: Any) -> Any:
+    zero = lambda g, p: jnp.zeros(jnp.shape(p), jnp.result_type(p))  # noqa: E731
+    pick = lambda g, p: zero(g, p) if g.dtype == jax.dtypes.float0 else g  # noqa: E731
+    return jax.tree.map(pick, grad(params, *args), params)
+
+  return grads
 
 
 def arrays_of(tree: Any) -> Any:
@@ -156,10 +170,10 @@ def _microbatch_fn(s: Setup) -> Any:
   kw = dict(accum_dtype=s.accum_dtype, axis_name=s.axis_name, mesh=s.mesh, reduction=s.reduction)
   if s.keyed is None:
     wf = None if s.weight_fn is None else (lambda p, b: s.weight_fn(b))
-    f = microbatch(jax.grad(s.loss), s.k, weight_fn=wf, **kw)
+    f = microbatch(grad_of(s.loss), s.k, weight_fn=wf, **kw)
   else:
     wf = None if s.weight_fn is None else (lambda p, b, key: s.weight_fn(b))
-    f = microbatch(jax.grad(s.keyed), s.k, weight_fn=wf, rng_argnums=2, **kw)
+    f = microbatch(grad_of(s.keyed), s.k, weight_fn=wf, rng_argnums=2, **kw)
   return s.aot("step", f, *_in_step_args(s))
 
 
@@ -306,7 +320,7 @@ def accumulate_step(s: Setup, tx: Any) -> Callable[..., Any]:
   """A user's jitted micro-step with `tx`: grad → update (with the weight) → apply."""
 
   def micro_step(params, state, batch, weight, *key):
-    grads = jax.grad(s.loss if not key else s.keyed)(params, batch, *key)
+    grads = grad_of(s.loss if not key else s.keyed)(params, batch, *key)
     kw = {} if weight is None else {"weight": weight}
     updates, state = tx.update(grads, state, params, **kw)
     return optax.apply_updates(params, updates), state
@@ -381,7 +395,7 @@ def data_parallel_step(s: Setup, tx: Any) -> tuple[Callable[..., Any], Callable[
 
   def micro_step(params, state, batch, *key):
     local = jax.lax.pcast(params, a, to="varying")  # per-device gradients
-    grads = jax.grad(s.loss if not key else s.keyed)(local, batch, *key)
+    grads = grad_of(s.loss if not key else s.keyed)(local, batch, *key)
     kw = {} if s.weight_fn is None else {"weight": s.weight_fn(batch)}
     updates, state = tx.update(grads, state, params, **kw)
     return optax.apply_updates(params, updates), state
