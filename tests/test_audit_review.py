@@ -369,11 +369,19 @@ def test_integer_leaves_beside_the_weights():
   """A counter or an index buffer in the parameters (a dict's int32 leaf, an Equinox module's
   int32 field): `jax.grad` refuses such leaves, and the audit crashed with its raw TypeError
   from inside its reference gradient. They have no gradient: zeros of their dtype; the exact
-  loop is judged ok."""
+  loop is judged ok, a loop that keeps only the last micro-batch FAILs."""
   counted = {**PARAMS, "count": jnp.zeros((), jnp.int32), "on": jnp.ones((2,), jnp.bool_)}
   weights = lambda p, b: ref.mlp_loss({name: p[name] for name in PARAMS}, b)  # noqa: E731
   good = optax_accum.audit(weights, counted, BATCH, K)
   assert good.ok, str(good)
+
+  def only_last_weights(loss_fn, params, batch):  # as users write it: the weights' gradient
+    rest = {n: v for n, v in params.items() if n not in PARAMS}
+    grads = only_last(lambda w, b: loss_fn({**w, **rest}, b), {n: params[n] for n in PARAMS}, batch)
+    return {**grads, **jax.tree.map(jnp.zeros_like, rest)}
+
+  bad = optax_accum.audit(weights, counted, BATCH, K, front_end=only_last_weights)
+  assert bad["every micro-batch counted"].verdict == "FAIL", str(bad)
 
   class Permuted(eqx.Module):
     mlp: eqx.nn.MLP
@@ -434,6 +442,24 @@ def test_shard_map_keys_per_device_and_micro_batch():
     report = optax_accum.audit(dropout_loss, params, batch, K, step=step, **kw)
     assert report[row].verdict == verdict, (shape, str(report))
     assert "on each of 8 devices" in report[row].figure and ">= 32" in report[row].threshold
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("front_end", ["microbatch", "data_parallel"])
+def test_library_front_ends_draw_a_key_per_device_and_micro_batch(front_end):
+  """The library's front ends on 8 devices with a dropout key per micro-step come back clean
+  against the count of a key per device and micro-batch: `microbatch` folds the device into
+  each key, and the audit's `data_parallel` recipe does as the multi-device guide says."""
+  mesh = jax.make_mesh((8,), ("data",))
+  params = jax.device_put(PARAMS, NamedSharding(mesh, P()))
+  batch = jax.device_put(ref.regression_data(1, 64), NamedSharding(mesh, P("data")))
+  rng = lambda i: jax.random.fold_in(jax.random.key(0), i)  # noqa: E731
+  with jax.set_mesh(mesh):
+    report = optax_accum.audit(dropout_loss, params, batch, K, front_end=front_end, mesh=mesh,
+                               axis_name="data", rng=rng, optimizer=SGD)  # fmt: skip
+  assert report.ok, str(report)
+  row = report["randomness: a key per micro-batch"]
+  assert row.verdict == "ok" and "on each of 8 devices" in row.figure, str(row)
 
 
 def _fsdp_step(mesh, accumulate_grads):
@@ -576,12 +602,9 @@ def test_a_scale_the_clipping_hides_is_said_not_judged():
     report = optax_accum.audit(loss, PARAMS, BATCH, K, step=make_step(clip_sgd, summed, loss),
                                optimizer=clip_sgd)  # fmt: skip
     assert verdicts(report)["weighting"] == verdict, str(report)
-  assert "times 4 at these parameters" in report_na(clip_sgd, summed)["weighting"].verdict
-
-
-def report_na(optimizer, accumulate_grads):
-  step = make_step(optimizer, accumulate_grads)
-  return optax_accum.audit(ref.mlp_loss, PARAMS, BATCH, K, step=step, optimizer=optimizer)
+    if verdict == "n/a":
+      assert "times 4 at these parameters" in report["weighting"].verdict, str(report)
+      assert "the scale is not judged" in report["weighting"].verdict
 
 
 def test_bfloat16_momentum_updates_read_back_and_judged_through_are_said_so():

@@ -411,8 +411,8 @@ def test_dp_a_batch_statistic_across_the_data_axis_is_refused():
 
 
 def local_batch_norm_loss(p, b):
-  """`sync_batch_norm_loss` with each device's own statistics: per example, one example's."""
-  h = jnp.tanh((b["x"] - jnp.mean(b["x"], axis=0)) @ p["w0"] + p["b0"])
+  """`sync_batch_norm_loss` normalised per example (over its features, as LayerNorm does)."""
+  h = jnp.tanh((b["x"] - jnp.mean(b["x"], axis=-1, keepdims=True)) @ p["w0"] + p["b0"])
   return jnp.mean(jnp.sum((h @ p["w1"] + p["b1"] - b["y"]) ** 2, axis=-1))
 
 

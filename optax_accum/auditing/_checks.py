@@ -21,6 +21,7 @@ from optax_accum.auditing import _run as run
 from optax_accum.auditing._collectives import data_axis
 from optax_accum.auditing._report import (
   Check,
+  coefficient,
   coefficients,
   fit,
   flat,
@@ -464,7 +465,7 @@ def _scale_blind(s: run.Setup, ref: Any, out: run.Run) -> str:
            for w in judged):  # fmt: skip
       return (
         f"your optimizer makes the same updates and state from the large batch's gradient "
-        f"times {coefficients(np.array([factor]))[1:-1]} at these parameters (a clip that "
+        f"times {coefficient(factor)} at these parameters (a clip that "
         f"acts, a sign, a normalisation), so a loop off by that factor ({fault}) would pass: "
         "the scale is not judged; audit where the optimizer does not normalise it (a loss "
         "scaled down below the clip, or the optimizer without the clip) to judge it"

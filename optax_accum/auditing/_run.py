@@ -395,6 +395,8 @@ def data_parallel_step(s: Setup, tx: Any) -> tuple[Callable[..., Any], Callable[
 
   def micro_step(params, state, batch, *key):
     local = jax.lax.pcast(params, a, to="varying")  # per-device gradients
+    # Each device draws for its own rows: the key folded with its index (as `microbatch` does).
+    key = tuple(jax.random.fold_in(k, jax.lax.axis_index(a)) for k in key)
     grads = grad_of(s.loss if not key else s.keyed)(local, batch, *key)
     kw = {} if s.weight_fn is None else {"weight": s.weight_fn(batch)}
     updates, state = tx.update(grads, state, params, **kw)
