@@ -6,11 +6,12 @@ rotating rounds, µs per micro-step):
 
 * the whole contenders: `TrainStep`, the hand loop (`small_models.HandLoop`), and `TrainStep`
   with ``skip_nonfinite=False`` (what the per-micro-batch NaN/Inf check costs);
-* a minimal driver calling `TrainStep`'s own compiled programs in the same order, with no
-  `TrainStep.__call__` around them (what its Python costs);
+* a minimal driver: `TrainStep`'s own dispatch of its compiled programs, with no
+  `TrainStep.__call__` (its checks) around it (what its Python costs);
 * each program alone, called back to back on its own outputs: `TrainStep`'s accumulating and
-  emitting programs, the hand loop's ``acc + grad`` and closing ones (what the programs cost
-  apart from the order they run in);
+  emitting programs (in the lean calling convention of `optax_accum.front_ends._lean`: only the
+  state's arrays each reads or writes), the hand loop's ``acc + grad`` and closing ones (what
+  the programs cost apart from the order they run in);
 * the hand loop made NaN-safe as `TrainStep` is (`NanSafeHandLoop`: a micro-batch with a NaN
   or Inf gradient adds nothing and is counted, the mean divides by the micro-batches kept),
   with the library's own finite check: the floor for what `TrainStep` promises; and the same
@@ -38,6 +39,7 @@ import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import small_models as sm  # noqa: E402
 from optax_accum.core import _core  # noqa: E402
+from optax_accum.front_ends import _lean  # noqa: E402
 
 REPEATS = 300  # windows per sample
 
@@ -95,35 +97,42 @@ def contenders(s, params, micro):
   plain = sm.Train(params, s.model.loss, s.k, micro)
   plain.step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k, skip_nonfinite=False)
   plain.state = plain.step.init(plain.params)
-  step = ts.step
-  step(_copy(ts.params), _copy(ts.state), micro[0])  # compiled, the programs chosen
+  # A TrainStep of its own for the minimal driver (it moves that object's window position).
+  step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k)
+  own = {"p": _copy(params), "s": step.init(_copy(params))}
+  own["p"], own["s"], _ = step(own["p"], own["s"], micro[0])  # compiled, the programs chosen
+  own["p"], own["s"], _ = step(own["p"], own["s"], micro[1])
+  own["p"], own["s"], _ = step(own["p"], own["s"], micro[2])
+  assert step._lean  # the lean calling convention (`front_ends._lean`)
   accumulating, emitting = step._pair[False], step._pair[True]
-  buffer = lambda: step._buffer(params, (micro[0],))  # noqa: E731
-  own = {"p": _copy(params), "s": step.init(_copy(params)), "b": buffer()}
 
-  def minimal():  # TrainStep's programs in its order, without TrainStep.__call__
-    for mb in micro[:-1]:
-      inner = own["s"].inner_state
-      hollow = own["s"]._replace(inner_state=step._hollow(inner))
-      state, own["b"], value = accumulating(own["p"], hollow, own["b"], (mb,), None)
-      own["s"] = state._replace(inner_state=inner)
-    own["p"], own["s"], own["b"], value = emitting(own["p"], own["s"], own["b"], (micro[-1],), None)
+  def minimal():  # TrainStep's dispatch of its programs, without TrainStep.__call__'s checks
+    for i, mb in enumerate(micro):
+      emit = i == len(micro) - 1
+      own["p"], own["s"], _, value = step._dispatch(emit, own["p"], own["s"], (), (mb,), None)
+      step._position = 0 if emit else step._position + 1
     return value
 
-  acc = {"s": step.init(_copy(params)), "b": buffer()}
-  acc["s"] = acc["s"]._replace(inner_state=step._hollow(acc["s"].inner_state))
+  # Each program alone on its own outputs (the state's other fields as the first call left them).
+  first = step.init(_copy(params))
+  hollow = step._hollow(first.inner_state)
+  reads, part = _lean.operands(False, first, hollow, False)
+  acc = {"part": part}
 
   def accumulating_alone():
     for mb in micro:
-      acc["s"], acc["b"], value = accumulating(params, acc["s"], acc["b"], (mb,), None)
+      out, _, value = accumulating(params, reads, acc["part"], (), (mb,), None)
+      acc["part"] = out._replace(inner_state=hollow)
     return value
 
-  emit = {"p": _copy(params), "s": step.init(_copy(params)), "b": buffer()}
+  reads_e, part_e = _lean.operands(True, step.init(_copy(params)), None, False)
+  closing = {"p": _copy(params), "part": part_e}
 
   def emitting_alone():
     for mb in micro:
-      out = emitting(emit["p"], emit["s"], emit["b"], (mb,), None)
-      emit["p"], emit["s"], emit["b"], value = out
+      out = emitting(closing["p"], reads_e, closing["part"], (), (mb,), None)
+      closing["p"], part, _, value = out
+      closing["part"] = part._replace(updated=None)
     return value
 
   add = {"a": jax.tree.map(jnp.zeros_like, params)}

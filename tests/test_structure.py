@@ -293,7 +293,9 @@ def test_trainstep_small_model_runs_one_program_per_micro_step(max_ops, monkeypa
   assert ops <= optax_accum.front_ends._train_step.FUSED_EMIT_MAX_OPS or max_ops == 0, ops
   emitting = step.lower(PARAMS, state, BATCH, emit=True)
   one = max_ops is None
-  assert len(emitting.args_info[0]) == (5 if one else 2)  # a micro-batch in, or (params, state)
+  # a micro-batch in (the lean calling convention: params, reads, part, buffer, batch, weight),
+  # or (params, state)
+  assert len(emitting.args_info[0]) == (6 if one else 2)
   assert (_dots(emitting.compile().as_text()) > 0) == one  # the gradient, or none
 
 

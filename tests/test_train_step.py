@@ -101,6 +101,62 @@ def test_train_step_emitting_call_equals_the_fused_emitting_program(noise_scale,
   chex.assert_trees_all_close((params, state), (want, proto_state), rtol=1e-6, atol=1e-7)
 
 
+def test_train_step_lean_programs_equal_the_two_programs(monkeypatch):
+  """A small model's programs take and hand back only the state's arrays they read or write
+  (`front_ends._lean`; issue 42, item 7). Against the same model run with the accumulating and
+  the closing program on whole states: the parameters, the losses and every field of every
+  state bit for bit, except the sums after a window closes, stale in both (the lean emitting
+  program leaves the ones the state had). Windows: weights, one of them 0; a NaN micro-batch
+  mid-window and one closing a window (dropped); weights all 0 (an empty window); a short
+  window closed by force_emit whose only micro-batch is NaN."""
+  k = 3
+  mbs = _micro_batches(3 * k + 1, 4, seed=4)
+  nan = lambda b: jax.tree.map(lambda x: np.where(np.arange(len(x))[:, None] == 0, np.nan, x), b)  # noqa: E731
+  for i in (4, 5, 9):
+    mbs[i] = nan(mbs[i])
+  weights = [1.0, 2.0, 0.0, 0.5, 3.0, 1.0, 0.0, 0.0, 0.0, 2.0]
+  lean = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k, donate=False)
+  results = []
+  for step in (lean, None):
+    if step is None:
+      monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 0)
+      step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k, donate=False)
+    params, state, out = P0, step.init(P0), []
+    for i, (batch, w) in enumerate(zip(mbs, weights, strict=True)):
+      emit = i == len(mbs) - 1
+      params, state, loss = step(params, state, batch, weight=jnp.float32(w), force_emit=emit)
+      sums = None if int(state.mini_step) == 0 else state.grad_sum
+      out.append((params, state._replace(grad_sum=sums), loss))
+    results.append((step._lean, out))
+  assert results[0][0] and not results[1][0]  # the lean convention, and the control without it
+  last = results[0][1][-1][1]
+  assert int(last.num_skipped) == 3 and int(last.gradient_step) == 2  # (the empty windows: none)
+  chex.assert_trees_all_equal(results[0][1], results[1][1])
+
+
+def test_train_step_host_known_scalars_survive_a_state_donated_elsewhere():
+  """The lean convention's host-known scalars (the position, the window's length, `updated`
+  between updates) are device arrays TrainStep makes once and puts in the states it hands
+  back. A state donated to the user's own jitted function deletes them with it: TrainStep makes
+  them again, every state it hands back after that is alive, and the run is the large batch's."""
+  k = 3
+  mbs = _micro_batches(2 * k, 4, seed=5)
+  step = optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)
+  params, state, _ = step(jax.tree.map(jnp.copy, P0), step.init(P0), mbs[0])
+  assert step._lean
+  saved = jax.tree.map(np.array, state)  # a copy (a NumPy view would keep the buffers)
+  flip = lambda x: jnp.logical_not(x) if x.dtype == jnp.bool_ else -x  # noqa: E731
+  jax.jit(lambda s: jax.tree.map(flip, s), donate_argnums=0)(state)  # the user's donating step
+  assert state.window_k.is_deleted() and state.updated.is_deleted()
+  state = jax.tree.map(jnp.asarray, saved)  # the state back, as a restore makes it
+  for batch in mbs[1:]:
+    params, state, _ = step(params, state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  assert int(state.gradient_step) == 2
+  chex.assert_trees_all_close(params, want, **ref.TOL)
+
+
 def test_train_step_resyncs_with_a_restored_state():
   """A state restored mid-window (not the object the step returned) is read once, then used."""
   k = 4

@@ -133,10 +133,10 @@ def all_arrays(params: Any, state: Any) -> bool:
   """Whether every leaf of the parameters is an array (then `_batch.hide_static` has nothing
   to hide): by leaf type, in C loops (the per-call cost). Also catches the usual mistake,
   passing again what an earlier call donated, for the price of two reads (a donated tree's
-  leaves are deleted together: its first parameter, the state's `mini_step`), so that XLA
-  never sees a deleted buffer; `check_live` names the leaf."""
+  leaves are deleted together: its first parameter, the state's `num_skipped`, which every
+  program donates), so that XLA never sees a deleted buffer; `check_live` names the leaf."""
   leaves = jax.tree.leaves(params)
-  for x in (*leaves[:1], getattr(state, "mini_step", None)):
+  for x in (*leaves[:1], getattr(state, "num_skipped", None)):
     if _kind(type(x)) == 2 and x.is_deleted():
       check_live(params, state)
   return all(_kind(t) for t in set(map(type, leaves)))

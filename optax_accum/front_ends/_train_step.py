@@ -17,7 +17,9 @@ application real memory passes and on GPU makes the host wait for the predicate
   ``grad → add → close_window → advance``;
 * for a small model (`FUSED_EMIT_MAX_OPS`: compiling the backward pass twice is cheap), the
   emitting program instead of the closing one: ``grad → add → close_window → advance``, one
-  dispatch per micro-step;
+  dispatch per micro-step; its two programs then take and hand back only the state's arrays
+  each reads or writes, the host filling in what it knows (`_lean`: the position, the window's
+  length), since on CPU each array a call returns costs it about 2 µs;
 * with `axis_name`, the emitting program instead of the closing one: ``grad → acc + g →
   all-reduce, leaf by leaf → inner update → apply → advance``. Each leaf's all-reduce depends on
   that leaf only (`_window.close_leafwise`), so XLA's scheduler can start it while the backward pass
@@ -46,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 from optax_accum.batch_size import _noise
 from optax_accum.core import _batch, _checks, _state
 from optax_accum.core._typing import AxisName, DType, Reduction
-from optax_accum.front_ends import _accumulate, _config, _host, _window
+from optax_accum.front_ends import _accumulate, _config, _host, _lean, _window
 from optax_accum.front_ends._fsdp_train_step import FsdpSteps
 from optax_accum.parallel import _gspmd, _sharding
 from optax_accum.parallel._sharding import state_partition_specs
@@ -106,7 +108,8 @@ class TrainStep:
   all-reduce leaf by leaf → update → apply), so the reduction can overlap the backward pass.
   So does a small model (a small accumulating program: compiling the backward pass twice is
   cheap, and a dispatch is a large part of its micro-step), decided once, from the first
-  programs' lowered size; the choice changes no result, bit for bit.
+  programs' lowered size; the choice changes no result, bit for bit (of the state, only the sums
+  after a window closes differ: stale either way).
 
   Args:
     loss_fn: ``loss_fn(params, *args) -> loss`` (or ``(loss, aux)`` with ``has_aux=True``),
@@ -290,6 +293,18 @@ class TrainStep:
     sampled = self._cfg.window_check and self._cfg.noise
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._chosen = self._fused_emit or axis.stacks  # whether `_choose_emitting` has decided
+    # The lean calling convention (`_lean`: a program takes and returns only the state's arrays
+    # it reads or writes), with the emitting program, where no output sharding is pinned (no
+    # axis, no FSDP; `_pin` rules out a mesh), off a private path and for an int every_k.
+    self._lean_ok = not (
+      axis.stacks
+      or keep_unsharded is not None
+      or self._private
+      or isinstance(every_k, _noise.FollowNoiseScale)
+    )
+    self._lean = self._fused_emit and self._lean_ok
+    self._lean_sums = False  # whether its emitting program writes the sums (`_choose_emitting`)
+    self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
     self._pair: Any = None  # its programs, `_compiled[_key]`
@@ -324,6 +339,14 @@ class TrainStep:
     self._compiled, self._key = {}, None
     donated = 0 in self._donate_argnums
     kw = lambda i: {} if out_shardings is None else {"out_shardings": out_shardings[i]}
+    if self._lean:  # (params, reads, part, grad_buffer, args, weight): `_lean.operands`
+      lean = lambda emit, donate: jax.jit(  # noqa: E731
+        functools.partial(self._lean_step, emit=emit), donate_argnums=donate, keep_unused=True
+      )
+      programs = {True: lean(True, (0, 2, 3) if donated else (3,))}
+      if not self._cfg.unaccumulated:
+        programs[False] = lean(False, (2, 3) if donated else (3,))
+      return programs
     if self._fused_emit:
       step = functools.partial(self._step, emit=True)
       emitting = jax.jit(step, donate_argnums=self._donate_argnums, keep_unused=True, **kw(1))
@@ -363,6 +386,7 @@ class TrainStep:
       specs = _host.mesh_state_shardings(self.tx, params)
       if specs is not None:
         self._chosen = True  # parameters on a mesh: the programs' shardings pinned as they are
+        self._lean = self._lean_ok = False  # (their outputs: whole states, placed)
         shardings, state = specs
         hollow = state._replace(inner_state=None)
         emitting = (shardings, state, None, None) if self._fused_emit else (shardings, state)
@@ -417,6 +441,18 @@ class TrainStep:
       caller="TrainStep",
       **kwargs,
     )
+
+  def _lean_step(self, params, reads, part, grad_buffer, args, weight, *, emit: bool):
+    """A program in the lean calling convention (`_lean`): the state rebuilt from what it
+    reads and what it writes, the micro-step, and only the written fields handed back."""
+    state = _lean.whole(emit, reads, part)
+    params, state, grad_buffer, value = self._step(
+      params, state, grad_buffer, args, weight, emit=emit
+    )
+    part = _lean.written(emit, state, self._lean_sums)
+    if emit:
+      return params, part, grad_buffer, value
+    return part, grad_buffer, value
 
   def _accumulating(self, params, state, grad_buffer, args, weight):
     """The accumulating program: gradient → add. It takes the state with its inner state
@@ -622,15 +658,34 @@ class TrainStep:
     that adds and closes instead). Returns ``(params, state, grad_buffer, value)``."""
     if self._fsdp is not None:  # FSDP: its own programs (`_fsdp_train_step`)
       return self._fsdp.dispatch(emit, params, state, args, weight)
+    whole = (params, state, grad_buffer, args, weight)
+    if self._lean:
+      return self._dispatch_lean(emit, whole)
     if emit and self._fused_emit:
-      return self._first(True, (params, state, grad_buffer, args, weight), state)
+      return self._first(True, whole, whole)
     inner = state.inner_state
     hollow = state._replace(inner_state=self._hollow(inner))
     operands = (params, hollow, grad_buffer, args, weight)
-    state, grad_buffer, value = self._first(False, operands, state)
+    state, grad_buffer, value = self._first(False, operands, whole)
     state = state._replace(inner_state=inner)
     if emit:
-      params, state = self._run(self._key, True, params, state)
+      params, state = self._run(self._key, True, (params, state), (params, state))
+    return params, state, grad_buffer, value
+
+  def _dispatch_lean(self, emit: bool, whole: tuple) -> tuple:
+    """`_dispatch` in the lean calling convention (`_lean`): the program's operands from the
+    state, and the state after the call from what it wrote and what the host knows."""
+    params, state, grad_buffer, args, weight = whole
+    hollow = None if emit else self._hollow(state.inner_state)
+    reads, part = _lean.operands(emit, state, hollow, self._lean_sums)
+    out = self._first(emit, (params, reads, part, grad_buffer, args, weight), whole)
+    if emit:
+      params, part, grad_buffer, value = out
+      position, window_k = 0, self.every_k
+    else:
+      part, grad_buffer, value = out
+      position, window_k = self._position + 1, self._window_k
+    state = _lean.merged(emit, state, part, self._constants, position, window_k)
     return params, state, grad_buffer, value
 
   def _hollow(self, inner_state: Any) -> Any:
@@ -645,13 +700,14 @@ class TrainStep:
     self._hollow_of = (inner_state, hollow)
     return hollow
 
-  def _first(self, program: bool, operands: tuple, state: Any) -> Any:
+  def _first(self, program: bool, operands: tuple, whole: tuple) -> Any:
     """A call's first program (`_jit`'s key), compiled for these micro-batch types: tried
     first as compiled for the last call's (the compiled program checks its inputs before it
     runs or donates anything, so the per-call cost has no signature to compute); for others,
     looked up by `_host.signature` (both programs compiled on the first call with new types,
-    `_compile_both`; `state` is the whole state). Refusals are `_run`'s."""
-    params, _, grad_buffer, args, weight = operands
+    `_compile_both`). `whole`: the call's ``(params, state, grad_buffer, args, weight)``, the
+    state whole. Refusals are `_run`'s."""
+    params, state, grad_buffer, args, weight = whole
     if self._key is not None:
       try:
         return self._pair[program](*operands)  # (`_compiled[_key]`, without hashing the key)
@@ -666,19 +722,20 @@ class TrainStep:
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
     self._key, self._pair = key, self._compiled[key]
-    return self._run(key, program, *operands)
+    return self._run(key, program, operands, (params, state))
 
-  def _run(self, key: tuple, program: bool, *operands: Any) -> Any:
+  def _run(self, key: tuple, program: bool, operands: tuple, live: tuple) -> Any:
     """One program (`_jit`'s key), compiled for `key`; inputs unlike those it was compiled
     for (other parameter or state types, or placements: `_host.unlike` compares them) run through
     `jax.jit`, this call only: the compiled pair stays for the inputs it was made for, so
-    nothing is recompiled unless the inputs really changed. Any other refusal is raised."""
+    nothing is recompiled unless the inputs really changed. Any other refusal is raised.
+    `live`: the call's ``(params, state)``, whose deleted arrays are named first."""
     compiled = self._compiled[key][program]
     try:
       return compiled(*operands)
     except (TypeError, ValueError, RuntimeError) as e:
       # The compiled programs check their inputs before running (nothing donated yet).
-      _host.check_live(*operands[:2])
+      _host.check_live(*live)
       if isinstance(e, RuntimeError):
         raise
       if not _host.unlike(compiled, operands):
@@ -697,18 +754,22 @@ class TrainStep:
       lowered = {True: self._lower(True, params, state, grad_buffer, args, weight)}
     else:
       accumulating = self._lower(False, params, state, grad_buffer, args, weight)
-      self._choose_emitting(accumulating, params)
+      lean = self._lean
+      self._choose_emitting(accumulating, params, grad_buffer)
+      if self._lean and not lean:  # chosen now: the programs in the lean convention (`_lean`)
+        accumulating = self._lower(False, params, state, grad_buffer, args, weight)
       emitting = self._lower(True, params, state, grad_buffer, args, weight)
       lowered = {False: accumulating, True: emitting}
     with futures.ThreadPoolExecutor(len(lowered)) as pool:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
 
-  def _choose_emitting(self, accumulating: Any, params: Any) -> None:
+  def _choose_emitting(self, accumulating: Any, params: Any, grad_buffer: Any) -> None:
     """Decides, once, whether the emitting micro-step runs one program (grad → add → close)
     rather than the accumulating program and the closing one: for a small model, where
     compiling the backward pass twice is cheap (`FUSED_EMIT_MAX_OPS`; `accumulating`: the
-    lowered accumulating program)."""
+    lowered accumulating program). Then its programs take the lean calling convention
+    (`_lean`), whose emitting program writes the sums only with a gradient buffer."""
     if self._chosen:
       return
     self._chosen = True
@@ -716,6 +777,7 @@ class TrainStep:
     nbytes = sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays)
     if nbytes < GRAD_BUFFER_BYTES and _host.ops(accumulating) <= FUSED_EMIT_MAX_OPS:
       self._fused_emit = True
+      self._lean, self._lean_sums = self._lean_ok, grad_buffer is not _NO_BUFFER
       self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
   def compile(self, params, state, *args, weight=None) -> TrainStep:
@@ -760,9 +822,11 @@ class TrainStep:
     (with every_k = 1 either gives the one program, which adds and closes each window). With
     `axis_name`, or for a small model (`FUSED_EMIT_MAX_OPS`), ``emit=True`` gives the emitting
     program, which takes a micro-batch like the accumulating one: it computes the last
-    gradient, adds it and closes the window (with `axis_name`, all-reducing it leaf by leaf).
-    With `keep_unsharded`, the accumulating program as a window's calls run it (on the held
-    whole copy, except with "nothing"), or the closing program."""
+    gradient, adds it and closes the window (with `axis_name`, all-reducing it leaf by leaf);
+    for a small model both programs then take the state's arrays in two parts, those they only
+    read and those they write (`_lean`). With `keep_unsharded`, the accumulating program as a
+    window's calls run it (on the held whole copy, except with "nothing"), or the closing
+    program. Lowering decides, like a first call, which programs this object runs."""
     if self._fsdp is not None:  # FSDP: the accumulating or the closing program
       return self._fsdp.lower(emit, params, state, args, weight)
     self._pin(params)
@@ -770,11 +834,16 @@ class TrainStep:
     grad_buffer = self._grad_buffer
     if grad_buffer is None:
       grad_buffer = self._buffer_types(params, args)
-    if emit and not self._chosen:
-      self._choose_emitting(self._lower(False, params, state, grad_buffer, args, weight), params)
+    if not self._chosen:  # (the choice decides both programs' calling convention, `_lean`)
+      accumulating = self._lower(False, params, state, grad_buffer, args, weight)
+      self._choose_emitting(accumulating, params, grad_buffer)
     return self._lower(emit, params, state, grad_buffer, args, weight)
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
+    if self._lean:  # `_lean.operands`
+      hollow = None if emit else _host.hollow(state.inner_state)
+      reads, part = _lean.operands(emit, state, hollow, self._lean_sums)
+      return self._programs[emit].lower(params, reads, part, grad_buffer, args, weight)
     if self._cfg.unaccumulated or (emit and self._fused_emit):  # grad → add → close
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
     if emit:
