@@ -255,8 +255,7 @@ class TrainStep:
     self._cfg = self._cfg._replace(front="TrainStep", weighted=weight_fn is not None)
     # A clipped loss (privacy.clipped_loss) is a private path: its options are checked against
     # the privacy contract now; a dp_noise in `inner` is found by `init`.
-    self._private = _checks.private_fun(loss_fn)
-    self._loss_fn = loss_fn
+    self._private, self._loss_fn = _checks.private_fun(loss_fn), loss_fn
     if self._private:
       _config.check_private(self._cfg, "TrainStep")
     # clipped_loss(..., has_aux=True): its aux holds one row per example (joined over the axis).
@@ -296,14 +295,10 @@ class TrainStep:
     # The lean calling convention (`_lean`: a program takes and returns only the state's arrays
     # it reads or writes), with the emitting program, where no output sharding is pinned (no
     # axis, no FSDP; `_pin` rules out a mesh), off a private path and for an int every_k.
-    self._lean_ok = not (
-      axis.stacks
-      or keep_unsharded is not None
-      or self._private
-      or isinstance(every_k, _noise.FollowNoiseScale)
-    )
-    self._lean = self._fused_emit and self._lean_ok
-    self._lean_sums = False  # whether its emitting program writes the sums (`_choose_emitting`)
+    lean = not (axis.stacks or self._private or keep_unsharded)
+    self._lean_ok = lean and isinstance(every_k, int)
+    # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
+    self._lean, self._lean_sums = self._fused_emit and self._lean_ok, False
     self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
