@@ -62,23 +62,9 @@ def operands(
   s = state
   if emit:
     reads = (s.mini_step, s.window_k) if sums else (s.mini_step, s.window_k, s.grad_sum)
-    part = AccumulateState(
-      None,
-      s.gradient_step,
-      None,
-      s.grad_sum if sums else None,
-      s.acc_weight,
-      s.num_skipped,
-      s.inner_state,
-      None,
-      s.noise,
-    )
-  else:
-    reads = (s.mini_step, s.window_k, s.gradient_step)
-    part = AccumulateState(
-      None, None, None, s.grad_sum, s.acc_weight, s.num_skipped, hollow, None, s.noise
-    )
-  return reads, part
+    return reads, written(True, s, sums)._replace(updated=None)
+  reads = (s.mini_step, s.window_k, s.gradient_step)
+  return reads, written(False, s, sums)._replace(inner_state=hollow)
 
 
 def whole(emit: bool, reads: tuple, part: AccumulateState) -> AccumulateState:
@@ -97,7 +83,8 @@ def whole(emit: bool, reads: tuple, part: AccumulateState) -> AccumulateState:
 
 
 def written(emit: bool, state: AccumulateState, sums: bool) -> AccumulateState:
-  """Inside a program: what it hands back of the state it made (see `operands`)."""
+  """The fields a program writes, the others None: inside it, what it hands back of the state it
+  made; on the host (`operands`), the donated part of the state it is given."""
   s = state
   if emit:
     return AccumulateState(
