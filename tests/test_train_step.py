@@ -115,18 +115,20 @@ def test_train_step_lean_programs_equal_the_two_programs(monkeypatch):
   for i in (4, 5, 9):
     mbs[i] = nan(mbs[i])
   weights = [1.0, 2.0, 0.0, 0.5, 3.0, 1.0, 0.0, 0.0, 0.0, 2.0]
-  lean = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k, donate=False)
+  lean = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
   results = []
   for step in (lean, None):
     if step is None:
       monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 0)
-      step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k, donate=False)
-    params, state, out = P0, step.init(P0), []
+      step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
+    params, out = jax.tree.map(jnp.array, P0), []
+    state = step.init(params)
     for i, (batch, w) in enumerate(zip(mbs, weights, strict=True)):
       emit = i == len(mbs) - 1
       params, state, loss = step(params, state, batch, weight=jnp.float32(w), force_emit=emit)
       sums = None if int(state.mini_step) == 0 else state.grad_sum
-      out.append((params, state._replace(grad_sum=sums), loss))
+      # host copies: the next call donates these arrays
+      out.append(jax.tree.map(np.array, (params, state._replace(grad_sum=sums), loss)))
     results.append((step._lean, out))
   assert results[0][0] and not results[1][0]  # the lean convention, and the control without it
   last = results[0][1][-1][1]
@@ -155,6 +157,61 @@ def test_train_step_host_known_scalars_survive_a_state_donated_elsewhere():
   want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
   assert int(state.gradient_step) == 2
   chex.assert_trees_all_close(params, want, **ref.TOL)
+
+
+def test_train_step_lean_host_scalars_with_other_placements_and_runs():
+  """The lean convention (`front_ends._lean`) where its host-known scalars meet what users do:
+  a state of NumPy arrays passed back (``jax.device_get``), to this object and to a new one; two
+  runs alternating on one object, one of them donated to the user's own jitted function (the
+  scalars both runs share are made again for the other); a run placed on another device (the
+  scalars follow it). Each run lands on the large batch's parameters."""
+  k = 3
+  mbs = _micro_batches(2 * k, 4, seed=6)
+  want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  step = optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)
+
+  def run(step, params, state, batches):
+    for batch in batches:
+      params, state, _ = step(params, state, batch)
+    return params, state
+
+  params, state = run(step, jax.tree.map(jnp.array, P0), step.init(P0), mbs[:1])
+  assert step._lean
+  host = jax.device_get((params, state))  # NumPy leaves
+  for target in (step, optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)):
+    got, _ = run(target, *jax.tree.map(np.copy, host), mbs[1:])
+    chex.assert_trees_all_close(got, want, **ref.TOL)
+  # Two runs on one object, A donated away after its first window's second call.
+  a = run(step, jax.tree.map(jnp.array, P0), step.init(P0), mbs[:2])
+  b = run(step, jax.tree.map(jnp.array, P0), step.init(P0), mbs[:2])
+  flip = lambda x: jnp.logical_not(x) if x.dtype == jnp.bool_ else -x  # noqa: E731
+  jax.jit(lambda s: jax.tree.map(flip, s), donate_argnums=0)(a[1])
+  got, state = run(step, *b, mbs[2:])
+  assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  chex.assert_trees_all_close(got, want, **ref.TOL)
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two devices (the test command forces 8 host devices)")
+  device = jax.devices()[-1]
+  params = jax.device_put(jax.tree.map(jnp.array, P0), device)
+  got, state = run(step, params, jax.device_put(step.init(P0), device), mbs)
+  assert {d for x in jax.tree.leaves(state) for d in x.devices()} == {device}
+  chex.assert_trees_all_close(got, want, **ref.TOL)
+
+
+def test_train_step_lean_only_where_a_state_is_spent_and_the_model_small():
+  """Not with ``donate=False``: the fields a lean program only reads would be shared by the
+  state it is given and the one it hands back, and a user keeping both may give one away. Not
+  for ``skip_nonfinite="window"`` with the noise statistics, whose one emitting program is
+  chosen for any model size (its sums would be a parameter-sized temporary)."""
+  batch = _micro_batches(1, 4)[0]
+  for kw, lean in (({}, True), ({"donate": False}, False)):
+    step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=2, **kw)
+    step.compile(P0, step.init(P0), batch)
+    assert step._lean == lean, kw
+  window = dict(skip_nonfinite="window", noise_scale=True, grad_buffer=True)
+  step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=2, **window)
+  step.compile(P0, step.init(P0), batch)
+  assert not step._lean and step._fused_emit
 
 
 def test_train_step_resyncs_with_a_restored_state():

@@ -20,6 +20,10 @@ accumulating micro-step, ``updated`` (False). So
 * the host-known scalars are device arrays made once (`Constants`), never donated by these
   programs, and made again if anything else deleted them.
 
+Only with ``donate=True``, where the state a call is given is spent: the fields a program only
+reads go into the state it hands back as they are, so the two share them; with
+``donate=False`` each state keeps arrays of its own, and a user may give an old one away.
+
 Per window of k micro-steps on the optax notebook's MLP: 9 outputs per accumulating call and 24
 for the emitting one, against 13 and 32 for the whole state (the hand-written loop's: 7 and 26).
 Only where no output sharding is pinned (one device, no axis, no FSDP), not on a private path
@@ -36,21 +40,43 @@ import numpy as np
 
 from optax_accum.core._state import AccumulateState
 
+# The fields `merged` fills in from `Constants`: each holds a value the host knows.
+CONSTANT_FIELDS = ("mini_step", "window_k", "updated")
+
 
 class Constants:
   """The host-known scalars of the states a `TrainStep` hands back, as device arrays placed
-  like the field they stand for, made once per (field, value). One that was deleted since
-  (a state donated to a user's own jitted function) is made again, never handed out dead."""
+  like the field they stand for, made once per (field, value, placement). They are shared by
+  the states it hands back (as a jitted step shares the leaves it returns unchanged), so one
+  deleted through any of them (a state donated to a user's own jitted function) is made again:
+  never handed out dead (`get`), and replaced in a state passed back (`revive`)."""
 
   def __init__(self) -> None:
-    self._made: dict[tuple[str, Any], jax.Array] = {}
+    self._made: dict[tuple, jax.Array] = {}  # (field, value, sharding) -> the live one
+    self._known: dict[int, tuple] = {}  # id -> (array, field, value): every one made
 
-  def get(self, field: str, value: Any, like: jax.Array) -> jax.Array:
-    key = (field, value)
+  def get(self, field: str, value: Any, like: Any) -> jax.Array:
+    """The constant `value` for `field`, placed like `like` (a host array: the default
+    device)."""
+    sharding = getattr(like, "sharding", None)
+    key = (field, value, sharding)
     x = self._made.get(key)
     if x is None or x.is_deleted():
-      x = self._made[key] = jax.device_put(np.asarray(value, like.dtype), like.sharding)
+      host = np.asarray(value, like.dtype)
+      x = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
+      self._made[key], self._known[id(x)] = x, (x, field, value)
     return x
+
+  def revive(self, state: AccumulateState) -> AccumulateState:
+    """`state` with each host-known field that holds a deleted constant of this object
+    replaced by a live one of the same value and placement (the state itself if none)."""
+    revived = {}
+    for field in CONSTANT_FIELDS:
+      x = getattr(state, field)
+      known = self._known.get(id(x))
+      if known is not None and known[0] is x and x.is_deleted():
+        revived[field] = self.get(field, known[2], x)
+    return state._replace(**revived) if revived else state
 
 
 def operands(

@@ -293,12 +293,13 @@ class TrainStep:
     self._fused_emit = self._cfg.unaccumulated or self._leafwise or sampled
     self._chosen = self._fused_emit or axis.stacks  # whether `_choose_emitting` has decided
     # The lean calling convention (`_lean`: a program takes and returns only the state's arrays
-    # it reads or writes), with the emitting program, where no output sharding is pinned (no
-    # axis, no FSDP; `_pin` rules out a mesh), off a private path and for an int every_k.
-    lean = not (axis.stacks or self._private or keep_unsharded)
+    # it reads or writes) for a small model's programs (`_choose_emitting`) or every_k = 1,
+    # where no output sharding is pinned (no axis, no FSDP; `_pin` rules out a mesh), off a
+    # private path, for an int every_k and with donation (the state a call is given is spent).
+    lean = donate and not (axis.stacks or self._private or keep_unsharded)
     self._lean_ok = lean and isinstance(every_k, int)
     # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
-    self._lean, self._lean_sums = self._fused_emit and self._lean_ok, False
+    self._lean, self._lean_sums = self._cfg.unaccumulated and self._lean_ok, False
     self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
@@ -597,6 +598,8 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
+    if self._lean:  # a host-known scalar deleted through another state: a live one instead
+      state = self._constants.revive(state)
     fresh = state is not self._last_state  # a state this object did not make
     if fresh or params is not self._last_params:
       self._arrays = _host.all_arrays(params, state)
