@@ -1,12 +1,12 @@
 """`TrainStep`'s lean calling convention: each program takes and hands back only the arrays of
 the state that it reads or writes, and the host fills in the rest.
 
-On CPU every array a call passes costs it dispatch time, an output most (about 2 µs, against
-0.5 µs for an input: `benchmarks/train_step_parts.py`), and a small model's micro-step is a few
-tens of microseconds. Of an `AccumulateState`'s fields, the host already knows several after a
-call, because it keeps the window position: ``mini_step`` (its position), ``window_k`` (the
-open window's length; the next one's, an int `every_k`, once a window closes) and, after an
-accumulating micro-step, ``updated`` (False). So
+On CPU every array a call passes costs it dispatch time (0.63 µs an array in and out on average,
+`benchmarks/results/cpu/small_models.md`; an output more than an input), and a small model's
+micro-step is a few tens of microseconds. Of an `AccumulateState`'s fields, the host already
+knows several after a call, because it keeps the window position: ``mini_step`` (its position),
+``window_k`` (the open window's length; the next one's, an int `every_k`, once a window closes)
+and, after an accumulating micro-step, ``updated`` (False). So
 
 * the accumulating program reads ``mini_step``, ``window_k`` and ``gradient_step`` (not
   donated, not returned: the same arrays go into the state it makes) and writes the sums, the
@@ -26,7 +26,8 @@ reads go into the state it hands back as they are, so the two share them; with
 
 Per window of k micro-steps on the optax notebook's MLP: 9 outputs per accumulating call and 24
 for the emitting one, against 13 and 32 for the whole state (the hand-written loop's: 7 and 26).
-Only where no output sharding is pinned (one device, no axis, no FSDP), not on a private path
+For a small model's programs (`TrainStep`'s choice of one emitting program) and every_k = 1;
+only where no output sharding is pinned (one device, no axis, no FSDP), not on a private path
 (whose closing program zeroes the spent sums), and for an int `every_k`.
 """
 
