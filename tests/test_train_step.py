@@ -101,26 +101,38 @@ def test_train_step_emitting_call_equals_the_fused_emitting_program(noise_scale,
   chex.assert_trees_all_close((params, state), (want, proto_state), rtol=1e-6, atol=1e-7)
 
 
-def test_train_step_lean_programs_equal_the_two_programs(monkeypatch):
+@pytest.mark.parametrize(
+  "options",
+  [
+    {},
+    {"noise_scale": True},
+    {"reduction": "sum"},
+    {"accum_dtype": jnp.bfloat16, "rounding": "stochastic"},
+  ],
+  ids=["default", "noise_scale", "sum", "bf16_stochastic"],
+)
+def test_train_step_lean_programs_equal_the_two_programs(options, monkeypatch):
   """A small model's programs take and hand back only the state's arrays they read or write
   (`front_ends._lean`; issue 42, item 7). Against the same model run with the accumulating and
   the closing program on whole states: the parameters, the losses and every field of every
   state bit for bit, except the sums after a window closes, stale in both (the lean emitting
   program leaves the ones the state had). Windows: weights, one of them 0; a NaN micro-batch
   mid-window and one closing a window (dropped); weights all 0 (an empty window); a short
-  window closed by force_emit whose only micro-batch is NaN."""
+  window closed by force_emit whose only micro-batch is NaN. With the options the lean programs
+  read more of the state for: the noise statistics, a sum, stochastic rounding (whose bits come
+  from the counters; its extra operations would put this model over `FUSED_EMIT_MAX_OPS`, so
+  the limit is raised for the lean run)."""
+  module = optax_accum.front_ends._train_step
   k = 3
   mbs = _micro_batches(3 * k + 1, 4, seed=4)
   nan = lambda b: jax.tree.map(lambda x: np.where(np.arange(len(x))[:, None] == 0, np.nan, x), b)  # noqa: E731
   for i in (4, 5, 9):
     mbs[i] = nan(mbs[i])
   weights = [1.0, 2.0, 0.0, 0.5, 3.0, 1.0, 0.0, 0.0, 0.0, 2.0]
-  lean = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
   results = []
-  for step in (lean, None):
-    if step is None:
-      monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 0)
-      step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k)
+  for limit in (10**6, 0):
+    monkeypatch.setattr(module, "FUSED_EMIT_MAX_OPS", limit)
+    step = optax_accum.TrainStep(ref.mlp_loss, ADAM, every_k=k, **options)
     params, out = jax.tree.map(jnp.array, P0), []
     state = step.init(params)
     for i, (batch, w) in enumerate(zip(mbs, weights, strict=True)):
