@@ -114,25 +114,22 @@ def contenders(s, params, micro):
     return value
 
   # Each program alone on its own outputs (the state's other fields as the first call left them).
-  first = step.init(_copy(params))
-  hollow = step._hollow(first.inner_state)
-  reads, part = _lean.operands(False, first, hollow, False)
+  reads, part = _lean.operands(False, step.init(_copy(params)), False)
   acc = {"part": part}
 
   def accumulating_alone():
     for mb in micro:
-      out, _, value = accumulating(params, reads, acc["part"], (), (mb,), None)
-      acc["part"] = out._replace(inner_state=hollow)
+      acc["part"], _, value = accumulating(params, reads, acc["part"], (), (mb,), None)
     return value
 
-  reads_e, part_e = _lean.operands(True, step.init(_copy(params)), None, False)
+  reads_e, part_e = _lean.operands(True, step.init(_copy(params)), False)
   closing = {"p": _copy(params), "part": part_e}
 
   def emitting_alone():
     for mb in micro:
       out = emitting(closing["p"], reads_e, closing["part"], (), (mb,), None)
-      closing["p"], part, _, value = out
-      closing["part"] = part._replace(updated=None)
+      closing["p"], written, _, value = out
+      closing["part"] = written[:5] + written[6:]  # (less `updated`, which it only writes)
     return value
 
   add = {"a": jax.tree.map(jnp.zeros_like, params)}

@@ -45,6 +45,10 @@ from optax_accum.core._state import AccumulateState
 CONSTANT_FIELDS = ("mini_step", "window_k", "updated")
 
 
+def _alive() -> bool:
+  return False
+
+
 class Constants:
   """The host-known scalars of the states a `TrainStep` hands back, as device arrays placed
   like the field they stand for, made once per (field, value, placement). They are shared by
@@ -53,19 +57,31 @@ class Constants:
   never handed out dead (`get`), and replaced in a state passed back (`revive`)."""
 
   def __init__(self) -> None:
-    self._made: dict[tuple, jax.Array] = {}  # (field, value, sharding) -> the live one
-    self._known: dict[int, tuple] = {}  # id -> (array, field, value): every one made
+    self._made: dict[tuple, jax.Array] = {}  # (field, value, placement) -> the live one
+    self._placements: dict[Any, int] = {}  # sharding -> its number, a placement
+    self._shardings: list[Any] = []  # placement -> sharding (None: a host array's `like`)
+    # id -> (array, field, value, placement): every one made. A constant's placement is known
+    # without asking the array (`.sharding` and a sharding's hash run Python: ~1 µs a field)
+    self._known: dict[int, tuple] = {}
 
   def get(self, field: str, value: Any, like: Any) -> jax.Array:
     """The constant `value` for `field`, placed like `like` (a host array: the default
     device)."""
-    sharding = getattr(like, "sharding", None)
-    key = (field, value, sharding)
+    known = self._known.get(id(like))
+    if known is not None and known[0] is like:
+      place = known[3]
+    else:
+      sharding = getattr(like, "sharding", None)
+      place = self._placements.get(sharding)
+      if place is None:
+        place = self._placements[sharding] = len(self._shardings)
+        self._shardings.append(sharding)
+    key = (field, value, place)
     x = self._made.get(key)
     if x is None or x.is_deleted():
-      host = np.asarray(value, like.dtype)
+      host, sharding = np.asarray(value, like.dtype), self._shardings[place]
       x = jnp.asarray(host) if sharding is None else jax.device_put(host, sharding)
-      self._made[key], self._known[id(x)] = x, (x, field, value)
+      self._made[key], self._known[id(x)] = x, (x, field, value, place)
     return x
 
   def revive(self, state: AccumulateState) -> AccumulateState:
@@ -74,66 +90,77 @@ class Constants:
     revived = {}
     for field in CONSTANT_FIELDS:
       x = getattr(state, field)
+      if not getattr(x, "is_deleted", _alive)():  # (a live array first: one call each)
+        continue
       known = self._known.get(id(x))
-      if known is not None and known[0] is x and x.is_deleted():
+      if known is not None and known[0] is x:
         revived[field] = self.get(field, known[2], x)
     return state._replace(**revived) if revived else state
 
 
-def operands(
-  emit: bool, state: AccumulateState, hollow: Any, sums: bool
-) -> tuple[tuple, AccumulateState]:
-  """``(reads, part)`` of `state` for one program: the fields it only reads (never donated)
-  and the state with only the fields it writes (donated; `hollow`: the accumulating program's
-  inner state, `_host.hollow`; `sums`: whether the emitting program writes the sums)."""
+# What crosses a program's boundary: plain tuples of the state's fields (unpacking a tuple
+# costs a call nothing, while a state handed back as an `AccumulateState` is built by a Python
+# constructor, and the accumulating program's inner state, all None, was 2.6 µs of flattening
+# per call on the notebook MLP). `reads`: never donated; `part`: donated, what the program
+# writes; `out`: what it hands back.
+#   accumulating  reads (mini_step, window_k, gradient_step)
+#                 part  (grad_sum, acc_weight, num_skipped, noise)         out: the same fields
+#   emitting      reads (mini_step, window_k[, grad_sum])  (the sums: when not written)
+#                 part  (gradient_step, grad_sum | None, acc_weight, num_skipped, inner_state,
+#                        noise)                            out: part with `updated` before noise
+
+
+def operands(emit: bool, state: AccumulateState, sums: bool) -> tuple[tuple, tuple]:
+  """``(reads, part)`` of `state` for one program (`sums`: whether the emitting program writes
+  the sums)."""
   s = state
   if emit:
     reads = (s.mini_step, s.window_k) if sums else (s.mini_step, s.window_k, s.grad_sum)
-    return reads, written(True, s, sums)._replace(updated=None)
+    part = (s.gradient_step, s.grad_sum if sums else None, s.acc_weight, s.num_skipped)
+    return reads, (*part, s.inner_state, s.noise)
   reads = (s.mini_step, s.window_k, s.gradient_step)
-  return reads, written(False, s, sums)._replace(inner_state=hollow)
+  return reads, (s.grad_sum, s.acc_weight, s.num_skipped, s.noise)
 
 
-def whole(emit: bool, reads: tuple, part: AccumulateState) -> AccumulateState:
-  """Inside a program: the state `_window` takes, from `operands` (``updated`` is never read)."""
+def whole(emit: bool, reads: tuple, part: tuple) -> AccumulateState:
+  """Inside a program: the state `_window` takes, from `operands` (``updated`` is never read;
+  the accumulating program never sees the inner state: None, as it is off the private paths,
+  the only ones that look at it there)."""
   not_updated = jnp.zeros((), jnp.bool_)
   if emit:
-    mini_step, window_k, *sums = reads
-    grad_sum = sums[0] if sums else part.grad_sum
-    return part._replace(
-      mini_step=mini_step, window_k=window_k, grad_sum=grad_sum, updated=not_updated
-    )
-  mini_step, window_k, gradient_step = reads
-  return part._replace(
-    mini_step=mini_step, window_k=window_k, gradient_step=gradient_step, updated=not_updated
+    mini_step, window_k, *read_sums = reads
+    gradient_step, grad_sum, acc_weight, num_skipped, inner_state, noise = part
+    grad_sum = read_sums[0] if read_sums else grad_sum
+  else:
+    mini_step, window_k, gradient_step = reads
+    grad_sum, acc_weight, num_skipped, noise = part
+    inner_state = None
+  return AccumulateState(
+    mini_step,
+    gradient_step,
+    window_k,
+    grad_sum,
+    acc_weight,
+    num_skipped,
+    inner_state,
+    not_updated,
+    noise,
   )
 
 
-def written(emit: bool, state: AccumulateState, sums: bool) -> AccumulateState:
-  """The fields a program writes, the others None: inside it, what it hands back of the state it
-  made; on the host (`operands`), the donated part of the state it is given."""
+def written(emit: bool, state: AccumulateState, sums: bool) -> tuple:
+  """Inside a program: what it hands back of the state it made (`out` above)."""
   s = state
   if emit:
-    return AccumulateState(
-      None,
-      s.gradient_step,
-      None,
-      s.grad_sum if sums else None,
-      s.acc_weight,
-      s.num_skipped,
-      s.inner_state,
-      s.updated,
-      s.noise,
-    )
-  return AccumulateState(
-    None, None, None, s.grad_sum, s.acc_weight, s.num_skipped, None, None, s.noise
-  )
+    out = s.grad_sum if sums else None
+    return s.gradient_step, out, s.acc_weight, s.num_skipped, s.inner_state, s.updated, s.noise
+  return (s.grad_sum, s.acc_weight, s.num_skipped, s.noise)
 
 
 def merged(
   emit: bool,
   state: AccumulateState,
-  out: AccumulateState,
+  out: tuple,
   constants: Constants,
   position: int,
   window_k: int,
@@ -144,27 +171,20 @@ def merged(
   mini_step = constants.get("mini_step", position, state.mini_step)
   length = constants.get("window_k", window_k, state.window_k)
   if emit:
-    sums = state.grad_sum if out.grad_sum is None else out.grad_sum
-    return AccumulateState(
-      mini_step,
-      out.gradient_step,
-      length,
-      sums,
-      out.acc_weight,
-      out.num_skipped,
-      out.inner_state,
-      out.updated,
-      out.noise,
-    )
-  updated = constants.get("updated", False, state.updated)
+    gradient_step, sums, acc_weight, num_skipped, inner_state, updated, noise = out
+    sums = state.grad_sum if sums is None else sums
+  else:
+    sums, acc_weight, num_skipped, noise = out
+    gradient_step, inner_state = state.gradient_step, state.inner_state
+    updated = constants.get("updated", False, state.updated)
   return AccumulateState(
     mini_step,
-    state.gradient_step,
+    gradient_step,
     length,
-    out.grad_sum,
-    out.acc_weight,
-    out.num_skipped,
-    state.inner_state,
+    sums,
+    acc_weight,
+    num_skipped,
+    inner_state,
     updated,
-    out.noise,
+    noise,
   )

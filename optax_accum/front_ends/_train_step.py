@@ -54,6 +54,7 @@ from optax_accum.parallel import _gspmd, _sharding
 from optax_accum.parallel._sharding import state_partition_specs
 
 _NO_BUFFER = ()  # `grad_buffer=False`: an empty pytree, nothing donated or returned
+_HOST_NUMBERS = int | float | np.number | np.ndarray  # a weight given as a host value
 # grad_buffer=None on CPU: the buffer for parameters of at least this many bytes in all. glibc
 # serves a temporary above its mmap threshold (dynamic, at most 32 MiB) with fresh pages on every
 # call, and XLA:CPU's temporaries are one allocation; below it the buffer saves nothing, and its
@@ -587,14 +588,15 @@ class TrainStep:
     force_emit: bool = False,
   ):
     """One micro-step; `force_emit=True` (a host boolean scalar) closes a short last window."""
-    force_emit = _checks.host_bool(force_emit, "force_emit", "TrainStep")
+    if force_emit is not False:  # (the default, checked without a call)
+      force_emit = _checks.host_bool(force_emit, "force_emit", "TrainStep")
     if weight is not None and self._weight_fn is not None:
       raise TypeError("TrainStep: pass weight= or give weight_fn, not both.")
     if weight is not None and (self._private or _checks.holds_private_state(state)):
       _checks.refuse_private("weight", "TrainStep")
     if force_emit and self._private:  # windows of a padded sampler: the mask must be used
       _checks.private_check("padding", "TrainStep", self._loss_fn, "force_emit=True")
-    if isinstance(weight, int | float | np.number | np.ndarray):
+    if weight is not None and isinstance(weight, _HOST_NUMBERS):
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
@@ -674,8 +676,7 @@ class TrainStep:
     """`_dispatch` in the lean calling convention (`_lean`): the program's operands from the
     state, and the state after the call from what it wrote and what the host knows."""
     params, state, grad_buffer, args, weight = whole
-    hollow = None if emit else self._hollow(state.inner_state)
-    reads, part = _lean.operands(emit, state, hollow, self._lean_sums)
+    reads, part = _lean.operands(emit, state, self._lean_sums)
     out = self._first(emit, (params, reads, part, grad_buffer, args, weight), whole)
     if emit:
       params, part, grad_buffer, value = out
@@ -839,8 +840,7 @@ class TrainStep:
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
     if self._lean:  # `_lean.operands`
-      hollow = None if emit else _host.hollow(state.inner_state)
-      reads, part = _lean.operands(emit, state, hollow, self._lean_sums)
+      reads, part = _lean.operands(emit, state, self._lean_sums)
       return self._programs[emit].lower(params, reads, part, grad_buffer, args, weight)
     if self._cfg.unaccumulated or (emit and self._fused_emit):  # grad → add → close
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
