@@ -15,6 +15,8 @@ micro-batches count:
 
 from __future__ import annotations
 
+import functools
+
 import _reference as ref
 import chex
 import jax
@@ -90,6 +92,62 @@ def test_finite_check_is_exact_for_float64():
     check = jax.jit(_core.all_finite)
     assert bool(check(big)) and bool(check(-big))
     assert not bool(check(_with(big, 62, np.inf))) and not bool(check(_with(big, 0, np.nan)))
+
+
+def _mixed_tree(rng: np.random.Generator) -> dict:
+  """Leaves that take every road of the check's pools (`_core.all_finite`): small ones joined as
+  they are, larger ones as row sums, more than one pool's worth of small leaves (a full pool is
+  summed and a new one begun), a leaf of so many rows that it is summed alone, the narrow and
+  complex ones checked leaf by leaf, an integer leaf, an empty one."""
+  f32 = lambda *shape: rng.standard_normal(shape).astype(np.float32) * 1e3  # noqa: E731
+  tree = {f"small{i}": f32(*shape) for i, shape in enumerate([(), (7,), (32, 10), (64, 64)])}
+  tree |= {f"row{i}": f32(*shape) for i, shape in enumerate([(784, 32), (3, 5, 700), (9000,)])}
+  tree |= {f"many{i}": f32(4096) for i in range(20)}  # 81,920 elements: two pools
+  tree |= {"tall": f32(70_000, 1), "bf16": f32(33, 17).astype(jnp.bfloat16)}
+  tree |= {"c64": (f32(6, 5) + 1j * f32(6, 5)).astype(np.complex64)}
+  tree |= {"int": np.arange(5, dtype=np.int32), "empty": np.zeros((0, 3), np.float32)}
+  return tree
+
+
+@pytest.mark.parametrize("pooled", [False, True], ids=["per-leaf", "pooled"])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_finite_check_agrees_with_numpy_for_a_bad_element_in_each_leaf(value, pooled):
+  """Against NumPy's `isfinite`: one bad element in any leaf, at a random place, is found;
+  none, and the largest finite values everywhere, pass."""
+  rng = np.random.default_rng(0)
+  tree = _mixed_tree(rng)
+  check = jax.jit(functools.partial(_core.all_finite, pooled=pooled))
+  assert bool(check(tree))
+  big = {k: np.full_like(x, jnp.finfo(x.dtype).max) if x.dtype != np.int32 else x
+         for k, x in tree.items()}  # fmt: skip
+  assert bool(check(big)) and bool(check(jax.tree.map(np.negative, big)))
+  for name, x in tree.items():
+    if x.dtype == np.int32 or not x.size:
+      continue
+    for index in (0, int(rng.integers(x.size)), x.size - 1):
+      bad = dict(tree, **{name: _with(x, index, value)})
+      want = all(np.isfinite(np.asarray(y, np.complex128)).all() for y in bad.values())
+      assert not want  # (NumPy sees the bad element)
+      assert bool(check(bad)) == want, (name, index)
+
+
+@pytest.mark.structure
+def test_finite_check_of_many_small_leaves_is_one_sum():
+  """The pool (`pooled=True`, `TrainStep`'s programs for a small model on one device): 40
+  float32 leaves that are each small are joined and summed once (XLA splits that sum in up to
+  three steps), where the default check, one per leaf, is 40 reductions at least. XLA:CPU pays
+  each operation a fixed dispatch whatever its size, and a small model's micro-step is made of
+  such operations."""
+
+  def reductions(check):
+    leaves = [jax.ShapeDtypeStruct((32,) if i % 2 else (16, 8), jnp.float32) for i in range(40)]
+    compiled = _hlo.compile_fn(lambda *xs: check(xs), *leaves)
+    comps, entry = _hlo.computations(compiled.text)
+    return [i.name for i in comps[entry] if "reduce" in i.name or i.op in ("reduce", "dot")]
+
+  pooled = functools.partial(_core.all_finite, pooled=True)
+  assert len(reductions(_core.all_finite)) >= 40
+  assert 1 <= len(reductions(pooled)) <= 3, reductions(pooled)
 
 
 @pytest.mark.structure

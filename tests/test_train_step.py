@@ -121,7 +121,8 @@ def test_train_step_lean_programs_equal_the_two_programs(options, monkeypatch):
   window closed by force_emit whose only micro-batch is NaN. With the options the lean programs
   read more of the state for: the noise statistics, a sum, stochastic rounding (whose bits come
   from the counters; its extra operations would put this model over `FUSED_EMIT_MAX_OPS`, so
-  the limit is raised for the lean run)."""
+  the limit is raised for the lean run). The lean run's finite checks are pooled, the
+  control's leaf by leaf: the same micro-batches and windows dropped."""
   module = optax_accum.front_ends._train_step
   k = 3
   mbs = _micro_batches(3 * k + 1, 4, seed=4)
@@ -141,6 +142,9 @@ def test_train_step_lean_programs_equal_the_two_programs(options, monkeypatch):
       sums = None if int(state.mini_step) == 0 else state.grad_sum
       # host copies: the next call donates these arrays
       out.append(jax.tree.map(np.array, (params, state._replace(grad_sum=sums), loss)))
+    # The lean programs check each micro-batch, and the window's sums, with one pooled sum
+    # (`_core.all_finite(pooled=True)`); the control checks leaf by leaf.
+    assert step._cfg.pool_check == step._lean
     results.append((step._lean, out))
   assert results[0][0] and not results[1][0]  # the lean convention, and the control without it
   last = results[0][1][-1][1]

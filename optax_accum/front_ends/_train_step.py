@@ -301,6 +301,7 @@ class TrainStep:
     self._lean_ok = lean and isinstance(every_k, int)
     # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
     self._lean, self._lean_sums = self._cfg.unaccumulated and self._lean_ok, False
+    self._cfg = self._cfg._replace(pool_check=self._lean)  # (`Config.pool_check`)
     self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
@@ -777,6 +778,7 @@ class TrainStep:
     if nbytes < GRAD_BUFFER_BYTES and _host.ops(accumulating) <= FUSED_EMIT_MAX_OPS:
       self._fused_emit = True
       self._lean, self._lean_sums = self._lean_ok, grad_buffer is not _NO_BUFFER
+      self._cfg = self._cfg._replace(pool_check=self._lean)
       self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
   def compile(self, params, state, *args, weight=None) -> TrainStep:

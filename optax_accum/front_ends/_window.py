@@ -100,6 +100,8 @@ def add(
   finite = None
   if sq is not None and cfg.skip_nonfinite and SQ_NORM_IS_FINITE_CHECK:
     finite = _core.finite_from_sq_norm(sq, grads, _collectives.cond)
+  elif cfg.pool_check and cfg.skip_nonfinite:
+    finite = _core.all_finite(grads, pooled=True)
   if cfg.unaccumulated and not cfg.axis.stacks:
     return _core.add_one(
       grads,
@@ -356,7 +358,7 @@ def close_window(
     window = window._replace(sums_sq=_noise.sq_norm(window.sums, _over_shards(cfg)))
     finite = agreed(cfg, _core.finite_from_sq_norm(window.sums_sq, window.sums, _collectives.cond))
   elif cfg.sums_check:
-    finite = agreed(cfg, _core.all_finite(window.sums))
+    finite = agreed(cfg, _core.all_finite(window.sums, pooled=cfg.pool_check))
   apply = functools.partial(_inner_update, cfg, like, finish)
   if private:
     window = private_window(cfg, window, finite)
