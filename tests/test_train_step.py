@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import optax_accum
 
@@ -228,6 +230,31 @@ def test_train_step_lean_only_where_a_state_is_spent_and_the_model_small():
   step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=2, **window)
   step.compile(P0, step.init(P0), batch)
   assert not step._lean and step._fused_emit
+
+
+@pytest.mark.parametrize("every_k", [1, 2])
+def test_train_step_pools_its_finite_check_only_off_a_mesh(every_k):
+  """The pooled finite check (`Config.pool_check`: the leaves joined into one sum) goes with
+  the lean programs, on one device. Parameters sharded on a mesh take whole-state programs and
+  the check per leaf: a join of leaves sharded differently would make GSPMD gather them on
+  every micro-step (every_k = 1 starts lean, and turns both off when it sees the mesh)."""
+  batch = _micro_batches(1, 4)[0]
+  step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=every_k)
+  step.compile(P0, step.init(P0), batch)
+  assert step._lean and step._cfg.pool_check
+  if len(jax.devices()) < 2:
+    pytest.skip("needs two devices (the test command forces 8 host devices)")
+  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  spec = lambda x: P(None, "model") if x.ndim == 2 and x.shape[1] % 2 == 0 else P()  # noqa: E731
+  params = {k: jax.device_put(x, NamedSharding(mesh, spec(x))) for k, x in P0.items()}
+  gathers = []
+  for skip in (True, False):  # the control: no finite check (the model's own gathers only)
+    step = optax_accum.TrainStep(ref.mlp_loss, SGD, every_k=every_k, skip_nonfinite=skip)
+    params, state, _ = step(params, step.init(params), batch)
+    assert not step._lean and not step._cfg.pool_check
+    text = step.lower(params, state, batch, emit=True).compile().as_text()
+    gathers.append(text.count(" all-gather("))
+  assert gathers[0] == gathers[1], gathers
 
 
 def test_train_step_resyncs_with_a_restored_state():

@@ -300,8 +300,7 @@ class TrainStep:
     lean = donate and not (axis.stacks or self._private or keep_unsharded)
     self._lean_ok = lean and isinstance(every_k, int)
     # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
-    self._lean, self._lean_sums = self._cfg.unaccumulated and self._lean_ok, False
-    self._cfg = self._cfg._replace(pool_check=self._lean)  # (`Config.pool_check`)
+    self._take_lean(self._cfg.unaccumulated and self._lean_ok, sums=False)
     self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
@@ -384,7 +383,8 @@ class TrainStep:
       specs = _host.mesh_state_shardings(self.tx, params)
       if specs is not None:
         self._chosen = True  # parameters on a mesh: the programs' shardings pinned as they are
-        self._lean = self._lean_ok = False  # (their outputs: whole states, placed)
+        self._lean_ok = False  # (their outputs: whole states, placed; sharded: no pooled check)
+        self._take_lean(False, sums=False)
         shardings, state = specs
         hollow = state._replace(inner_state=None)
         emitting = (shardings, state, None, None) if self._fused_emit else (shardings, state)
@@ -764,6 +764,13 @@ class TrainStep:
       compiling = {e: pool.submit(low.compile) for e, low in lowered.items()}
       return {e: job.result() for e, job in compiling.items()}
 
+  def _take_lean(self, lean: bool, *, sums: bool) -> None:
+    """Whether the programs take the lean calling convention (`_lean`; `sums`: whether its
+    emitting program writes the sums), and with it one pooled finite check (`Config.pool_check`:
+    its programs run on one device, nothing sharded)."""
+    self._lean, self._lean_sums = lean, sums
+    self._cfg = self._cfg._replace(pool_check=lean)
+
   def _choose_emitting(self, accumulating: Any, params: Any, grad_buffer: Any) -> None:
     """Decides, once, whether the emitting micro-step runs one program (grad → add → close)
     rather than the accumulating program and the closing one: for a small model, where
@@ -777,8 +784,7 @@ class TrainStep:
     nbytes = sum(np.size(x) * jnp.result_type(x).itemsize for x in arrays)
     if nbytes < GRAD_BUFFER_BYTES and _host.ops(accumulating) <= FUSED_EMIT_MAX_OPS:
       self._fused_emit = True
-      self._lean, self._lean_sums = self._lean_ok, grad_buffer is not _NO_BUFFER
-      self._cfg = self._cfg._replace(pool_check=self._lean)
+      self._take_lean(self._lean_ok, sums=grad_buffer is not _NO_BUFFER)
       self._programs = self._jit()  # (no compiled program yet: the first lowering decides)
 
   def compile(self, params, state, *args, weight=None) -> TrainStep:
