@@ -132,6 +132,20 @@ def test_finite_check_agrees_with_numpy_for_a_bad_element_in_each_leaf(value, po
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("pooled", [False, True], ids=["per-leaf", "pooled"])
+def test_finite_check_dots_ask_for_full_precision(pooled):
+  """The check's row sums are `dot`s: at a TPU's default matmul precision (a bfloat16 pass) or
+  a GPU's (TF32) the float32 largest value rounds to Inf, and a finite gradient would be
+  dropped. Each dot asks for HIGHEST (CPU computes float32 either way, so the lowered program
+  is what can be checked here)."""
+  check = functools.partial(_core.all_finite, pooled=pooled)
+  leaves = (jnp.ones((512, 64)), jnp.ones((4100,)), jnp.ones((4, 5), jnp.complex64))
+  text = jax.jit(check).lower(leaves).as_text()
+  dots = [line for line in text.split("\n") if "dot_general" in line]
+  assert len(dots) == 3 and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+
+
+@pytest.mark.structure
 def test_finite_check_of_many_small_leaves_is_one_sum():
   """The pool (`pooled=True`, `TrainStep`'s programs for a small model on one device): 40
   float32 leaves that are each small are joined and summed once (XLA splits that sum in up to

@@ -159,13 +159,13 @@ def all_finite(tree: Any, *, pooled: bool = False) -> jax.Array:
 
   `pooled=True` (where nothing is sharded: `TrainStep`'s programs for a small model on one
   device): the float32 and float64 leaves are pooled (`_pooled`), each one's scaled values (a
-  small leaf) or scaled row sums (a larger one, a matrix-vector `dot`) joined into one array of
-  at most `_POOL` elements per dtype, summed once. Per leaf, the check is one to three
-  operations, and XLA:CPU's executor costs each about half a microsecond a call whatever its
-  size: the optax notebook's MLP (six leaves) took 12 for its check, pooled 5. Not by default:
-  a join of leaves that a mesh shards differently makes GSPMD gather them (and explicitly
-  sharded leaves have no joined sharding), so narrower floats, complex leaves and leaves sharded
-  by their type are checked one by one even then.
+  small leaf) or scaled row sums (a larger one, a matrix-vector `dot`) joined per dtype into
+  pools of at most `_POOL` elements, each summed once (a part larger than that alone). Per
+  leaf, the check is one to three operations, and XLA:CPU's executor costs each about half a
+  microsecond a call whatever its size: the optax notebook's MLP (six leaves) took 12 for its
+  check, pooled 5. Not by default: a join of leaves that a mesh shards differently makes GSPMD
+  gather them (and explicitly sharded leaves have no joined sharding), so narrower floats,
+  complex leaves and leaves sharded by their type are checked one by one even then.
   """
   flags, pools = [], {}
   for x in _float_leaves(tree):
@@ -219,6 +219,9 @@ _CHECK_SCALE = 2.0**-64
 # pool holds at most `_POOL` elements (256 KiB of float32: its temporary, never parameter-sized).
 _INLINE = 4096
 _POOL = 2**16
+# The check's dots in full float32 whatever the default matmul precision: a bfloat16 pass (a
+# TPU's default) or TF32 (a GPU's) rounds a float32 near its largest value to Inf.
+_EXACT = lax.Precision.HIGHEST
 
 
 def _scaled_part(x: jax.Array) -> jax.Array:
@@ -230,7 +233,7 @@ def _scaled_part(x: jax.Array) -> jax.Array:
   if x.size <= _INLINE:
     return x.reshape(-1) * jnp.asarray(_CHECK_SCALE, x.dtype)
   rows = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
-  return lax.dot(rows, jnp.full((rows.shape[-1],), _CHECK_SCALE, x.dtype))
+  return lax.dot(rows, jnp.full((rows.shape[-1],), _CHECK_SCALE, x.dtype), precision=_EXACT)
 
 
 def _poolable(x: jax.Array) -> bool:
@@ -256,10 +259,9 @@ def _leaf_finite(x: Any) -> jax.Array:
 
   float32, float64 and complex leaves: ``isfinite(Σ x @ c)`` with ``c = 2⁻⁶⁴`` everywhere (see
   `_scaled_part`); a complex `c·x` keeps the real and imaginary sums apart, so both parts are
-  checked. Narrower
-  floats (bfloat16, float16, float8): ``Σ (x - x) == 0`` — each term is 0, or NaN for
-  NaN/±Inf, so the sum cannot overflow; a `dot` would first convert them to float32 into a
-  temporary. (``max(abs(x)) < inf`` would be wrong: XLA:CPU's max drops NaN.)
+  checked. Narrower floats (bfloat16, float16, float8): ``Σ (x - x) == 0`` — each term is 0,
+  or NaN for NaN/±Inf, so the sum cannot overflow; a `dot` would first convert them to
+  float32 into a temporary. (``max(abs(x)) < inf`` would be wrong: XLA:CPU's max drops NaN.)
   """
   x = jnp.asarray(x)
   dtype = x.dtype
@@ -267,7 +269,7 @@ def _leaf_finite(x: Any) -> jax.Array:
     return jnp.sum(x - x, dtype=jnp.float32) == 0
   rows = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
   scale = jnp.full((rows.shape[-1],), _CHECK_SCALE, dtype)
-  return jnp.isfinite(jnp.sum(lax.dot(rows, scale)))
+  return jnp.isfinite(jnp.sum(lax.dot(rows, scale, precision=_EXACT)))
 
 
 def _float_leaves(tree: Any) -> list[Any]:

@@ -43,8 +43,9 @@ class Config(NamedTuple):
   # skip_nonfinite="window": no finite check per micro-step (each gradient read once, by the
   # add); a window whose sums are not finite at emission is dropped whole and counted.
   window_check: bool = False
-  # The finite checks pool their leaves into one sum (`_core.all_finite(pooled=True)`): only
-  # where nothing is sharded (`TrainStep`'s programs in the lean convention, one device).
+  # Each micro-batch's finite check and the window's sums check pool their leaves into one
+  # sum (`_core.all_finite(pooled=True)`): only where nothing is sharded (`TrainStep`'s
+  # programs in the lean convention, one device).
   pool_check: bool = False
 
   @property

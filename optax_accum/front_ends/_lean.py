@@ -45,7 +45,7 @@ from optax_accum.core._state import AccumulateState
 CONSTANT_FIELDS = ("mini_step", "window_k", "updated")
 
 
-def _alive() -> bool:
+def _never_deleted() -> bool:  # (`is_deleted` of a leaf that is not a device array)
   return False
 
 
@@ -90,7 +90,7 @@ class Constants:
     revived = {}
     for field in CONSTANT_FIELDS:
       x = getattr(state, field)
-      if not getattr(x, "is_deleted", _alive)():  # (a live array first: one call each)
+      if not getattr(x, "is_deleted", _never_deleted)():  # (a live array first: one call each)
         continue
       known = self._known.get(id(x))
       if known is not None and known[0] is x:

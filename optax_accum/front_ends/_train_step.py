@@ -6,9 +6,9 @@ application real memory passes and on GPU makes the host wait for the predicate
 (openxla/xla `xla/backends/gpu/runtime/conditional_thunk.cc`). `TrainStep` compiles
 
 * the accumulating program: ``grad → add → advance`` (`_window`'s pieces) on the state
-  with its inner state hollow (`_host.hollow`): it only reads the parameters and never sees the
-  inner state, so neither is passed in and handed back (every array a call passes costs it dispatch
-  time), and no update is computed at all;
+  with its inner state hollow (`_host.hollow`; in the lean convention below, none): it only
+  reads the parameters and never sees the inner state, so neither is passed in and handed back
+  (every array a call passes costs it dispatch time), and no update is computed at all;
 * the closing program, on ``(params, state)`` only: ``close_window(finish = apply the
   updates) → advance`` from the state's accumulator (`_window.close_from_state`). The
   emitting micro-step runs the accumulating program, then this one: the backward pass is
