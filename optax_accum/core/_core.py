@@ -177,7 +177,7 @@ def all_finite(tree: Any, *, pooled: bool = False) -> jax.Array:
       continue
     part = _scaled_part(x)
     if part.size > _POOL:  # (a leaf of many rows: summed alone, as it comes)
-      flags.append(jnp.isfinite(jnp.sum(part)))
+      flags.append(_pooled([part]))
       continue
     parts = pools.setdefault(x.dtype, [])
     if sum(p.size for p in parts) + part.size > _POOL:
@@ -232,6 +232,11 @@ def _scaled_part(x: jax.Array) -> jax.Array:
   constant)."""
   if x.size <= _INLINE:
     return x.reshape(-1) * jnp.asarray(_CHECK_SCALE, x.dtype)
+  return _row_sums(x)
+
+
+def _row_sums(x: jax.Array) -> jax.Array:
+  """``rows @ c``, `x`'s rows (its last axis) summed scaled by ``c = 2⁻⁶⁴``, in one `dot`."""
   rows = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
   return lax.dot(rows, jnp.full((rows.shape[-1],), _CHECK_SCALE, x.dtype), precision=_EXACT)
 
@@ -267,9 +272,7 @@ def _leaf_finite(x: Any) -> jax.Array:
   dtype = x.dtype
   if jnp.finfo(dtype).bits < 32:
     return jnp.sum(x - x, dtype=jnp.float32) == 0
-  rows = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
-  scale = jnp.full((rows.shape[-1],), _CHECK_SCALE, dtype)
-  return jnp.isfinite(jnp.sum(lax.dot(rows, scale, precision=_EXACT)))
+  return jnp.isfinite(jnp.sum(_row_sums(x)))
 
 
 def _float_leaves(tree: Any) -> list[Any]:
