@@ -177,6 +177,34 @@ def test_train_step_host_known_scalars_survive_a_state_donated_elsewhere():
   chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
+def test_train_step_host_known_scalars_of_the_last_state_deleted_through_an_older_one():
+  """The last state TrainStep handed back is passed on without looking at its host-known
+  scalars (they are checked only when the program refuses them). An older state that shares
+  them, donated to the user's own function, deletes them under the last one: the next call is
+  refused before anything is donated, runs again with live ones, and so does every call after
+  it (the scalars it keeps for the next positions are made again too); the run is the large
+  batch's."""
+  k = 3
+  mbs = _micro_batches(3 * k, 4, seed=7)
+  step = optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)
+  params, state = jax.tree.map(jnp.copy, P0), step.init(P0)
+  for batch in mbs[:4]:  # the window of length 3 that opened at mbs[3] shares its window_k
+    older = state
+    params, state, _ = step(params, state, batch)
+  assert step._lean and older.window_k is state.window_k
+  # (the user's step donates the older state's host-known scalars; its other arrays TrainStep
+  # donated already)
+  bump = lambda t: jax.tree.map(lambda x: x + 1, t)  # noqa: E731
+  jax.jit(bump, donate_argnums=0)((older.mini_step, older.window_k, older.updated))
+  assert state.window_k.is_deleted() and not state.acc_weight.is_deleted()
+  for batch in mbs[4:]:
+    params, state, _ = step(params, state, batch)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
+  want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
+  assert int(state.gradient_step) == 3
+  chex.assert_trees_all_close(params, want, **ref.TOL)
+
+
 def test_train_step_lean_host_scalars_with_other_placements_and_runs():
   """The lean convention (`front_ends._lean`) where its host-known scalars meet what users do:
   a state of NumPy arrays passed back (``jax.device_get``), to this object and to a new one; two

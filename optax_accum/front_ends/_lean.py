@@ -157,26 +157,19 @@ def written(emit: bool, state: AccumulateState, sums: bool) -> tuple:
   return (s.grad_sum, s.acc_weight, s.num_skipped, s.noise)
 
 
-def merged(
-  emit: bool,
-  state: AccumulateState,
-  out: tuple,
-  constants: Constants,
-  position: int,
-  window_k: int,
-) -> AccumulateState:
+def merged(emit: bool, state: AccumulateState, out: tuple, known: tuple) -> AccumulateState:
   """On the host: the state after the call, from the one given (`state`), what the program
-  wrote (`out`) and what the host knows: the position after the call and the window length
-  (`window_k`: the open window's; after an emitting call, the next one's)."""
-  mini_step = constants.get("mini_step", position, state.mini_step)
-  length = constants.get("window_k", window_k, state.window_k)
+  wrote (`out`) and what the host knows (`known`: `Constants` for ``mini_step``, the position
+  after the call, and ``window_k``, the open window's length, after an emitting call the next
+  one's; and after an accumulating call ``updated``, False)."""
   if emit:
+    mini_step, length = known
     gradient_step, sums, acc_weight, num_skipped, inner_state, updated, noise = out
     sums = state.grad_sum if sums is None else sums
   else:
+    mini_step, length, updated = known
     sums, acc_weight, num_skipped, noise = out
     gradient_step, inner_state = state.gradient_step, state.inner_state
-    updated = constants.get("updated", False, state.updated)
   return AccumulateState(
     mini_step,
     gradient_step,

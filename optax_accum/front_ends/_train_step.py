@@ -302,6 +302,7 @@ class TrainStep:
     # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
     self._take_lean(self._cfg.unaccumulated and self._lean_ok, sums=False)
     self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
+    self._known: dict[tuple, tuple] = {}  # `_host_known`
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
     self._pair: Any = None  # its programs, `_compiled[_key]`
@@ -601,11 +602,12 @@ class TrainStep:
       # A host value is checked here, before dispatch (reading a device array back would make
       # the host wait; a device weight that is invalid drops its micro-batch instead).
       _checks.weight(weight, "TrainStep")
-    if self._lean:  # a host-known scalar deleted through another state: a live one instead
-      state = self._constants.revive(state)
     fresh = state is not self._last_state  # a state this object did not make
+    if self._lean and fresh:  # a host-known scalar deleted through another state: a live one
+      state = self._constants.revive(state)  # (in the last state handed back: `_dispatch_lean`)
     if fresh or params is not self._last_params:
       self._arrays = _host.all_arrays(params, state)
+      self._known = {}  # (`_host_known`: the placement of what it caches may change)
     arrays = self._arrays  # (what the last call returned is alive, its kinds of leaves known)
     if self._position is None or fresh:
       self._read_position(params, state, args)
@@ -678,15 +680,38 @@ class TrainStep:
     state, and the state after the call from what it wrote and what the host knows."""
     params, state, grad_buffer, args, weight = whole
     reads, part = _lean.operands(emit, state, self._lean_sums)
-    out = self._first(emit, (params, reads, part, grad_buffer, args, weight), whole)
+    try:
+      out = self._first(emit, (params, reads, part, grad_buffer, args, weight), whole)
+    except ValueError:  # (refused before it ran: nothing donated)
+      # A host-known scalar of the last state handed back, deleted through another state that
+      # shares it (donated to a user's function): the call again with a live one.
+      revived = self._constants.revive(state)
+      if revived is state:
+        raise
+      return self._dispatch_lean(emit, (params, revived, grad_buffer, args, weight))
     if emit:
       params, part, grad_buffer, value = out
       position, window_k = 0, self.every_k
     else:
       part, grad_buffer, value = out
       position, window_k = self._position + 1, self._window_k
-    state = _lean.merged(emit, state, part, self._constants, position, window_k)
+    state = _lean.merged(emit, state, part, self._host_known(emit, state, position, window_k))
     return params, state, grad_buffer, value
+
+  def _host_known(self, emit: bool, state: Any, position: int, window_k: int) -> tuple:
+    """`_lean.merged`'s host-known scalars after this call (`_lean.Constants`), kept by value
+    for the calls that follow while the parameters and the state are the ones this object
+    handed back (their placement then stays); made again if deleted."""
+    key = (emit, position, window_k)
+    known = self._known.get(key)
+    if known is None or known[0].is_deleted() or known[1].is_deleted() or known[-1].is_deleted():
+      get = self._constants.get
+      known = (get("mini_step", position, state.mini_step),)
+      known += (get("window_k", window_k, state.window_k),)
+      if not emit:
+        known += (get("updated", False, state.updated),)
+      self._known[key] = known
+    return known
 
   def _hollow(self, inner_state: Any) -> Any:
     """`_host.hollow` of the inner state, made once per tree structure (and not looked up again for
