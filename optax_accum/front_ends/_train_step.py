@@ -301,8 +301,8 @@ class TrainStep:
     self._lean_ok = lean and isinstance(every_k, int)
     # (whether its emitting program writes the sums too is decided with it: `_choose_emitting`)
     self._take_lean(self._cfg.unaccumulated and self._lean_ok, sums=False)
-    self._constants = _lean.Constants()  # the host-known scalars of the states it hands back
-    self._known: dict[tuple, tuple] = {}  # `_host_known`
+    # The host-known scalars of the states it hands back, and those of the next ones (`_host_known`)
+    self._constants, self._known = _lean.Constants(), {}
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
     self._pair: Any = None  # its programs, `_compiled[_key]`
