@@ -169,11 +169,17 @@ def test_train_step_host_known_scalars_survive_a_state_donated_elsewhere():
   jax.jit(lambda s: jax.tree.map(flip, s), donate_argnums=0)(state)  # the user's donating step
   assert state.window_k.is_deleted() and state.updated.is_deleted()
   state = jax.tree.map(jnp.asarray, saved)  # the state back, as a restore makes it
-  for batch in mbs[1:]:
+  _rest_alive_and_exact(step, params, state, mbs, 1, k)
+
+
+def _rest_alive_and_exact(step, params, state, mbs, start, k):
+  """`step` (MOMENTUM, from P0) over ``mbs[start:]``: every state it hands back alive, and the
+  parameters after all of `mbs` the large batch's, one update per window of `k`."""
+  for batch in mbs[start:]:
     params, state, _ = step(params, state, batch)
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))
   want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
-  assert int(state.gradient_step) == 2
+  assert int(state.gradient_step) == len(mbs) // k
   chex.assert_trees_all_close(params, want, **ref.TOL)
 
 
@@ -197,12 +203,7 @@ def test_train_step_host_known_scalars_of_the_last_state_deleted_through_an_olde
   bump = lambda t: jax.tree.map(lambda x: x + 1, t)  # noqa: E731
   jax.jit(bump, donate_argnums=0)((older.mini_step, older.window_k, older.updated))
   assert state.window_k.is_deleted() and not state.acc_weight.is_deleted()
-  for batch in mbs[4:]:
-    params, state, _ = step(params, state, batch)
-    assert not any(x.is_deleted() for x in jax.tree.leaves(state))
-  want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs, k))
-  assert int(state.gradient_step) == 3
-  chex.assert_trees_all_close(params, want, **ref.TOL)
+  _rest_alive_and_exact(step, params, state, mbs, 4, k)
 
 
 def test_train_step_lean_host_scalars_with_other_placements_and_runs():
