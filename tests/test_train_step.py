@@ -206,6 +206,46 @@ def test_train_step_host_known_scalars_of_the_last_state_deleted_through_an_olde
   _rest_alive_and_exact(step, params, state, mbs, 4, k)
 
 
+def test_train_step_short_path_agrees_with_the_full_one_and_steps_aside():
+  """A call given back what the last one handed out, with no weight and no force_emit, takes
+  `_lean_call` (none of `__call__`'s checks): bit for bit what the full path gives, on every
+  call. Whatever else comes (a micro-batch of other types, a weight, force_emit, a state the
+  object did not hand out) takes the full path, and the run goes on exact."""
+  k = 3
+  mbs = _micro_batches(3 * k, 4, seed=9)
+  short = optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)
+  full = optax_accum.TrainStep(ref.mlp_loss, MOMENTUM, every_k=k)
+  taken = []
+
+  def counted(*a, f=short._lean_call):
+    out = f(*a)
+    taken.append(out is not None)  # (None: it stepped aside)
+    return out
+
+  short._lean_call = counted
+  full._lean_call = lambda *a: None  # (steps aside on every call: the full path)
+  runs = {o: (jax.tree.map(jnp.array, P0), o.init(P0)) for o in (short, full)}
+  for batch in mbs[: 2 * k]:
+    for o, (params, state) in runs.items():
+      runs[o] = o(params, state, batch)[:2]
+    chex.assert_trees_all_equal(runs[short], runs[full])
+  assert short._lean and taken == [True] * (2 * k - 1)  # (the first call compiles)
+  # Other micro-batch types (6 examples, not 4), a weight, force_emit: the full path.
+  six = _micro_batches(1, 6, seed=10)[0]
+  for o, (params, state) in runs.items():
+    params, state, _ = o(params, state, six)
+    params, state, _ = o(params, state, mbs[6], weight=jnp.float32(0.5))
+    runs[o] = o(params, state, mbs[7], force_emit=True)[:2]
+  chex.assert_trees_all_equal(runs[short], runs[full])
+  assert int(runs[short][1].gradient_step) == 3  # (the full path's results: tested above)
+  # A state it did not hand out (a copy): the full path, then the short one again.
+  params, state = jax.tree.map(jnp.array, runs[short])
+  n = len(taken)
+  params, state, _ = short(params, state, mbs[8])
+  short(params, state, mbs[0])
+  assert taken[n:] == [True]
+
+
 def test_train_step_lean_host_scalars_with_other_placements_and_runs():
   """The lean convention (`front_ends._lean`) where its host-known scalars meet what users do:
   a state of NumPy arrays passed back (``jax.device_get``), to this object and to a new one; two

@@ -222,6 +222,10 @@ class TrainStep:
   2
   """
 
+  # Whether a call that follows one of this object's own (the parameters and the state it
+  # handed back) may take `_lean_call`; set by each call that takes the full path.
+  _steady = False
+
   def __init__(
     self,
     loss_fn: Callable[..., Any],
@@ -590,6 +594,11 @@ class TrainStep:
     force_emit: bool = False,
   ):
     """One micro-step; `force_emit=True` (a host boolean scalar) closes a short last window."""
+    steady = self._steady and weight is None and force_emit is False
+    if steady and state is self._last_state and params is self._last_params:
+      out = self._lean_call(params, state, args)  # (the call that follows one of its own)
+      if out is not None:
+        return out
     if force_emit is not False:  # (the default, checked without a call)
       force_emit = _checks.host_bool(force_emit, "force_emit", "TrainStep")
     if weight is not None and self._weight_fn is not None:
@@ -630,6 +639,29 @@ class TrainStep:
     self._position = 0 if emit else self._position + 1
     if emit:
       self._window_k = self._next_window_k(state)
+    self._last_state, self._last_params = state, params
+    self._steady = self._lean and arrays and not self._batch_windows and self._key is not None
+    return params, state, value
+
+  def _lean_call(self, params: Any, state: Any, args: tuple) -> tuple | None:
+    """`__call__` where nothing needs looking at: the parameters and the state are the ones
+    this object handed back (their arrays alive and distinct, the window position known), no
+    weight and no `force_emit`, the lean convention (`_lean`; one device, every leaf an array,
+    windows of an int `every_k`). On a small model the full path's checks cost a measurable
+    share of the micro-step (`benchmarks/train_step_parts.py`). None where the program refuses
+    its inputs before running (other micro-batch types, a deleted array): the full path then
+    runs the call (`_first`: which tells those from a failure while running, after which
+    the donated inputs are deleted and the program refuses them)."""
+    emit = self._position + 1 >= self._window_k
+    reads, part = _lean.operands(emit, state, self._lean_sums)
+    try:
+      out = self._pair[emit](params, reads, part, self._grad_buffer, args, None)
+    except (TypeError, ValueError, RuntimeError):  # (a deleted array: RuntimeError, 8 devices)
+      return None
+    params, state, self._grad_buffer, value = self._lean_state(emit, params, state, out)
+    self._position = 0 if emit else self._position + 1
+    if emit:
+      self._window_k = self.every_k  # (`_next_window_k` of an int every_k)
     self._last_state, self._last_params = state, params
     return params, state, value
 
@@ -689,6 +721,11 @@ class TrainStep:
       if revived is state:
         raise
       return self._dispatch_lean(emit, (params, revived, grad_buffer, args, weight))
+    return self._lean_state(emit, params, state, out)
+
+  def _lean_state(self, emit: bool, params: Any, state: Any, out: tuple) -> tuple:
+    """``(params, state, grad_buffer, value)`` after a lean program's call that was given
+    `params` and `state` and handed back `out` (`_lean.merged`)."""
     if emit:
       params, part, grad_buffer, value = out
       position, window_k = 0, self.every_k
