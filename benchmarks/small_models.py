@@ -11,8 +11,9 @@ parameters (Adam, one update), two kinds of contenders are timed in rotating rou
 * **cross-step** (one jitted call per micro-batch, params and state donated; seconds per
   micro-step): `accumulate(adam, k)` inside the user's own jitted step; `TrainStep`;
   `optax.MultiSteps(adam, k)` in the same step; a hand-written cross-step loop (a jitted
-  ``acc + grad`` on k−1 micro-steps, ``acc + grad → adam → apply`` on the k-th); plain Adam at
-  the micro-batch size (the floor: no accumulation at all).
+  ``acc + grad`` on k−1 micro-steps, ``acc + grad → adam → apply`` on the k-th), and the same made
+  NaN-safe as `TrainStep` is (`NanSafeHandLoop`); plain Adam at the micro-batch size (the
+  floor: no accumulation at all).
 * **in-step** (one jitted call per update; seconds per update): `microbatch` (default, rolled
   loop) and ``unroll=True``; `optax.microbatching.microbatch` (MEAN); a hand-written
   `lax.scan` and the same unrolled; the large batch (the limit, not a target).
@@ -26,7 +27,7 @@ one-call-per-micro-step path pays per call.
     python benchmarks/small_models.py --rounds 3 --models notebook_mlp nnx_cnn
 
 About 4 CPU-minutes, most of them compiling (some 80 programs) and the NNX CNN's rolled loops
-(0.8 s a step on CPU); the committed run took 244 s on a 2-core machine at a load average of 1-2
+(0.8 s a step on CPU); the committed run took 271 s on a 2-core machine at a load average of 2
 (20 minutes at 10 to 13). A cross-step sample runs whole windows for at least `SAMPLE_S`
 (0.05 s): the calls of consecutive windows are dispatched without waiting, as a training loop
 dispatches them, and a small model's window (a fraction of a millisecond) is not timed alone.
@@ -57,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import _models  # noqa: E402
+from optax_accum.core import _core  # noqa: E402
 from optax_accum.front_ends import _host, _train_step  # noqa: E402
 
 LR = 1e-3
@@ -353,6 +355,50 @@ class HandLoop(Runner):
     return (len(self.micro) - 1) * (3 * p + b + 1) + 4 * p + 2 * s + b + 1
 
 
+class NanSafeHandLoop(Runner):
+  """The hand loop, NaN-safe: each micro-batch's gradient is checked (`_core.all_finite`,
+  pooled: the check `TrainStep` uses on one device), a non-finite one adds nothing and is
+  counted, and the window's mean divides by the micro-batches kept. `counters` more int32
+  scalars ride every call (in, +1, out)."""
+
+  def __init__(self, params, loss, k, micro, counters=0):
+    super().__init__(params)
+    tx, vg = adam(), jax.value_and_grad(loss)
+    self.state, self.micro = tx.init(self.params), micro
+    self.acc = jax.tree.map(jnp.zeros_like, self.params)
+    self.kept = (jnp.float32(0), jnp.int32(0))  # (micro-batches kept, dropped so far)
+    self.counters = tuple(jnp.int32(i) for i in range(counters))
+
+    def add(acc, kept, counters, params, batch):
+      value, g = vg(params, batch)
+      ok = _core.all_finite(g, pooled=True)
+      acc = jax.tree.map(lambda a, x: jnp.where(ok, a + x, a), acc, g)
+      kept = (kept[0] + jnp.where(ok, 1.0, 0.0), kept[1] + jnp.where(ok, 0, 1))
+      return acc, kept, tuple(c + 1 for c in counters), value
+
+    def close(acc, kept, counters, params, state, batch):
+      acc, kept, counters, value = add(acc, kept, counters, params, batch)
+      n = kept[0]
+      mean = jax.tree.map(lambda a: jnp.where(n > 0, a / jnp.maximum(n, 1.0), 0.0), acc)
+      updates, state = tx.update(mean, state, params)
+      zeros = jax.tree.map(jnp.zeros_like, acc)
+      params = optax.apply_updates(params, updates)
+      return zeros, (jnp.float32(0), kept[1]), counters, params, state, value
+
+    self.add = jax.jit(add, donate_argnums=(0, 1, 2))
+    self.close = jax.jit(close, donate_argnums=(0, 1, 2, 3, 4))
+
+  def window(self):
+    for mb in self.micro[:-1]:
+      self.acc, self.kept, self.counters, value = self.add(
+        self.acc, self.kept, self.counters, self.params, mb
+      )
+    self.acc, self.kept, self.counters, self.params, self.state, value = self.close(
+      self.acc, self.kept, self.counters, self.params, self.state, self.micro[-1]
+    )
+    return self.params, value
+
+
 class Dispatch(Runner):
   """The per-call floor: a jitted identity on the parameters and Adam's state (donated), once
   per micro-step: what any one-call-per-micro-step path pays whatever the model computes."""
@@ -405,6 +451,7 @@ def cross_runners(s: Small, params, micro) -> dict[str, Runner]:
     "TrainStep, two programs": Train(params, loss, k, micro, two_programs=True),
     "MultiSteps": Protocol(params, loss, optax.MultiSteps(adam(), k), micro),
     "hand loop": HandLoop(params, loss, k, micro),
+    "hand loop, NaN-safe": NanSafeHandLoop(params, loss, k, micro),
     "adam (floor)": Protocol(params, loss, adam(), micro),
     "dispatch": Dispatch(params, k),
   }
@@ -526,7 +573,9 @@ def measure(s: Small, rounds: int, log: Callable) -> dict:
     "windows_per_sample": reps,
     "train_step_programs": train_step_programs(s, params, micro),
     "cross_ratio": _ratios(
-      t_cross, ("MultiSteps", "hand loop"), ("accumulate", "TrainStep", "TrainStep, two programs")
+      t_cross,
+      ("MultiSteps", "hand loop"),
+      ("accumulate", "TrainStep", "TrainStep, two programs", "hand loop, NaN-safe"),
     ),
     "in": {n: {**t.as_dict(), **programs[n]} for n, t in t_in.items()},
     "in_ratio": _ratios(
@@ -662,7 +711,10 @@ def report(results: list[dict], meta: dict) -> str:
       f"sample runs whole windows for at least {SAMPLE_S * 1e3:.0f} ms (the notebook MLP's: "
       f"{results[0]['windows_per_sample']} windows). `TrainStep, two programs`: the same "
       "object made to run the accumulating program and then the closing one on each window's "
-      "last micro-step (what it did for every model before issue 42).",
+      "last micro-step (what it did for every model before issue 42). `hand loop, NaN-safe`: "
+      "the hand loop with `TrainStep`'s promise (a micro-batch whose gradient holds a NaN or "
+      "Inf adds nothing and is counted; the library's pooled finite check), the like-for-like "
+      "hand-written contender for `TrainStep`'s default.",
       "",
       *table(results, "cross"),
       "",

@@ -12,10 +12,11 @@ rotating rounds, µs per micro-step):
   emitting programs (in the lean calling convention of `optax_accum.front_ends._lean`: only the
   state's arrays each reads or writes), the hand loop's ``acc + grad`` and closing ones (what
   the programs cost apart from the order they run in);
-* the hand loop made NaN-safe as `TrainStep` is (`NanSafeHandLoop`: a micro-batch with a NaN
-  or Inf gradient adds nothing and is counted, the mean divides by the micro-batches kept),
-  with the library's own finite check: the floor for what `TrainStep` promises; and the same
-  with 4 more scalar counters carried through every call (what a state's scalars cost).
+* the hand loop made NaN-safe as `TrainStep` is (`small_models.NanSafeHandLoop`: a
+  micro-batch with a NaN or Inf gradient adds nothing and is counted, the mean divides by the
+  micro-batches kept), with the library's own finite check: the floor for what `TrainStep`
+  promises; and the same with 4 more scalar counters carried through every call (what a
+  state's scalars cost).
 
     python benchmarks/train_step_parts.py            # writes results/cpu/train_step_parts.md
 
@@ -31,60 +32,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import small_models as sm  # noqa: E402
-from optax_accum.core import _core  # noqa: E402
 from optax_accum.front_ends import _lean  # noqa: E402
 
 REPEATS = 300  # windows per sample
-
-
-class NanSafeHandLoop(sm.Runner):
-  """The hand loop, NaN-safe: each micro-batch's gradient is checked (`_core.all_finite`, the
-  check `TrainStep` uses), a non-finite one adds nothing and is counted, and the window's mean
-  divides by the micro-batches kept. `counters` more int32 scalars ride every call (in, +1, out)."""
-
-  def __init__(self, params, loss, k, micro, counters=0):
-    super().__init__(params)
-    tx, vg = sm.adam(), jax.value_and_grad(loss)
-    self.state, self.micro = tx.init(self.params), micro
-    self.acc = jax.tree.map(jnp.zeros_like, self.params)
-    self.kept = (jnp.float32(0), jnp.int32(0))  # (micro-batches kept, dropped so far)
-    self.counters = tuple(jnp.int32(i) for i in range(counters))
-
-    def add(acc, kept, counters, params, batch):
-      value, g = vg(params, batch)
-      ok = _core.all_finite(g)
-      acc = jax.tree.map(lambda a, x: jnp.where(ok, a + x, a), acc, g)
-      kept = (kept[0] + jnp.where(ok, 1.0, 0.0), kept[1] + jnp.where(ok, 0, 1))
-      return acc, kept, tuple(c + 1 for c in counters), value
-
-    def close(acc, kept, counters, params, state, batch):
-      acc, kept, counters, value = add(acc, kept, counters, params, batch)
-      n = kept[0]
-      mean = jax.tree.map(lambda a: jnp.where(n > 0, a / jnp.maximum(n, 1.0), 0.0), acc)
-      updates, state = tx.update(mean, state, params)
-      zeros = jax.tree.map(jnp.zeros_like, acc)
-      params = optax.apply_updates(params, updates)
-      return zeros, (jnp.float32(0), kept[1]), counters, params, state, value
-
-    self.add = jax.jit(add, donate_argnums=(0, 1, 2))
-    self.close = jax.jit(close, donate_argnums=(0, 1, 2, 3, 4))
-
-  def window(self):
-    for mb in self.micro[:-1]:
-      self.acc, self.kept, self.counters, value = self.add(
-        self.acc, self.kept, self.counters, self.params, mb
-      )
-    self.acc, self.kept, self.counters, self.params, self.state, value = self.close(
-      self.acc, self.kept, self.counters, self.params, self.state, self.micro[-1]
-    )
-    return self.params, value
 
 
 def _copy(tree):
@@ -146,8 +102,8 @@ def contenders(s, params, micro):
       close["a"], close["p"], close["s"], value = hand.close(close["a"], close["p"], close["s"], mb)
     return value
 
-  safe = NanSafeHandLoop(params, s.model.loss, s.k, micro)
-  counted = NanSafeHandLoop(params, s.model.loss, s.k, micro, counters=4)
+  safe = sm.NanSafeHandLoop(params, s.model.loss, s.k, micro)
+  counted = sm.NanSafeHandLoop(params, s.model.loss, s.k, micro, counters=4)
   return {
     "hand loop": hand.window,
     "hand loop, NaN-safe (drops and counts)": safe.window,
