@@ -20,7 +20,8 @@ rotating rounds, µs per micro-step):
 
     python benchmarks/train_step_parts.py            # writes results/cpu/train_step_parts.md
 
-About a minute on 2 CPUs.
+About a minute on 2 CPUs with the default 9 rounds; the committed run used ``ROUNDS=201``
+(5 minutes): this machine's noise needs them.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def main() -> None:
   lines = [
     "# TrainStep on the notebook MLP: where the time goes (issue 42, item 7)",
     "",
-    f"`python benchmarks/train_step_parts.py`; {when}, {jax.default_backend()}, "
+    f"`ROUNDS={rounds} python benchmarks/train_step_parts.py`; {when}, {jax.default_backend()}, "
     f"{os.cpu_count()} CPUs, jax {jax.__version__}; load average {load:.1f} at the start. "
     f"{s.what}. µs per micro-step (a program alone: per call), median of {rounds} rotating "
     f"rounds of {REPEATS} windows; ratio: median of per-round ratios to the hand loop.",
