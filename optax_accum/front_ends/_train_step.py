@@ -650,14 +650,19 @@ class TrainStep:
     windows of an int `every_k`). On a small model the full path's checks cost a measurable
     share of the micro-step (`benchmarks/train_step_parts.py`). None where the program refuses
     its inputs before running (other micro-batch types, a deleted array): the full path then
-    runs the call (`_first`: which tells those from a failure while running, after which
-    the donated inputs are deleted and the program refuses them)."""
+    runs the call, as it did before this path existed. A failure while running that left
+    every input alive is raised here, never run again."""
     emit = self._position + 1 >= self._window_k
     reads, part = _lean.operands(emit, state, self._lean_sums)
     try:
       out = self._pair[emit](params, reads, part, self._grad_buffer, args, None)
-    except (TypeError, ValueError, RuntimeError):  # (a deleted array: RuntimeError, 8 devices)
+    except (TypeError, ValueError):
       return None
+    except RuntimeError:  # (a deleted array, with several devices; else it failed running)
+      leaves = jax.tree.leaves((params, state))
+      if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+        return None
+      raise
     params, state, self._grad_buffer, value = self._lean_state(emit, params, state, out)
     self._position = 0 if emit else self._position + 1
     if emit:
