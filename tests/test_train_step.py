@@ -230,6 +230,8 @@ def test_train_step_short_path_agrees_with_the_full_one_and_steps_aside():
       runs[o] = o(params, state, batch)[:2]
     chex.assert_trees_all_equal(runs[short], runs[full])
   assert short._lean and taken == [True] * (2 * k - 1)  # (the first call compiles)
+  want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs[: 2 * k], k))
+  chex.assert_trees_all_close(runs[short][0], want, **ref.TOL)
   # Other micro-batch types (6 examples, not 4), a weight, force_emit: the full path.
   six = _micro_batches(1, 6, seed=10)[0]
   for o, (params, state) in runs.items():

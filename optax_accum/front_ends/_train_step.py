@@ -636,10 +636,7 @@ class TrainStep:
     )
     if emit:  # (an accumulating micro-step only reads the parameters)
       params = hidden if arrays else _batch.show_static(hidden)
-    self._position = 0 if emit else self._position + 1
-    if emit:
-      self._window_k = self._next_window_k(state)
-    self._last_state, self._last_params = state, params
+    self._moved(emit, params, state)
     self._steady = self._lean and arrays and not self._batch_windows and self._key is not None
     return params, state, value
 
@@ -664,11 +661,16 @@ class TrainStep:
         return None
       raise
     params, state, self._grad_buffer, value = self._lean_state(emit, params, state, out)
+    self._moved(emit, params, state)
+    return params, state, value
+
+  def _moved(self, emit: bool, params: Any, state: Any) -> None:
+    """After a call: the window position, the next window's length once one closes, and what
+    the call handed back (which the call that follows is checked against)."""
     self._position = 0 if emit else self._position + 1
     if emit:
-      self._window_k = self.every_k  # (`_next_window_k` of an int every_k)
+      self._window_k = self._next_window_k(state)
     self._last_state, self._last_params = state, params
-    return params, state, value
 
   def _read_position(self, params: Any, state: Any, args: tuple) -> None:
     """A state we did not produce (restored, or from `init` of another object): read its window
