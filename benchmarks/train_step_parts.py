@@ -11,7 +11,9 @@ rotating rounds, µs per micro-step):
 * each program alone, called back to back on its own outputs: `TrainStep`'s accumulating and
   emitting programs (in the lean calling convention of `optax_accum.front_ends._lean`: only the
   state's arrays each reads or writes), the hand loop's ``acc + grad`` and closing ones (what
-  the programs cost apart from the order they run in);
+  the programs cost apart from the order they run in); and the accumulating program called
+  through `jax.stages.Compiled.__call__`, whose Python frame `TrainStep` skips
+  (`TrainStep._direct`);
 * the hand loop made NaN-safe as `TrainStep` is (`small_models.NanSafeHandLoop`: a
   micro-batch with a NaN or Inf gradient adds nothing and is counted, the mean divides by the
   micro-batches kept), with the library's own finite check: the floor for what `TrainStep`
@@ -61,7 +63,8 @@ def contenders(s, params, micro):
   own["p"], own["s"], _ = step(own["p"], own["s"], micro[1])
   own["p"], own["s"], _ = step(own["p"], own["s"], micro[2])
   assert step._lean  # the lean calling convention (`front_ends._lean`)
-  accumulating, emitting = step._pair[False], step._pair[True]
+  # What TrainStep calls: each compiled program's own C++ call (`TrainStep._direct`)
+  accumulating, emitting = step._direct(False), step._direct(True)
 
   def minimal():  # TrainStep's dispatch of its programs, without TrainStep.__call__'s checks
     for i, mb in enumerate(micro):
@@ -71,15 +74,19 @@ def contenders(s, params, micro):
     return value
 
   # Each program alone on its own outputs (the state's other fields as the first call left them).
-  reads, part = _lean.operands(False, step.init(_copy(params)), False)
-  acc = {"part": part}
+  reads, part = _lean.operands(False, step.init(_copy(params)), step._layout)
 
-  def accumulating_alone():
-    for mb in micro:
-      acc["part"], _, value = accumulating(params, reads, acc["part"], (), (mb,), None)
-    return value
+  def accumulating_alone(program):
+    acc = {"part": _copy(part)}
 
-  reads_e, part_e = _lean.operands(True, step.init(_copy(params)), False)
+    def run():
+      for mb in micro:
+        acc["part"], _, value = program(params, reads, acc["part"], (), (mb,), None)
+      return value
+
+    return run
+
+  reads_e, part_e = _lean.operands(True, step.init(_copy(params)), step._layout)
   closing = {"p": _copy(params), "part": part_e}
 
   def emitting_alone():
@@ -112,7 +119,8 @@ def contenders(s, params, micro):
     "TrainStep": ts.window,
     "TrainStep, skip_nonfinite=False": plain.window,
     "TrainStep's programs, minimal driver": minimal,
-    "TrainStep accumulating program alone": accumulating_alone,
+    "TrainStep accumulating program alone": accumulating_alone(accumulating),
+    "the same through jax.stages.Compiled.__call__": accumulating_alone(step._pair[False]),
     "TrainStep emitting program alone": emitting_alone,
     "hand acc + grad program alone": add_alone,
     "hand closing program alone": close_alone,

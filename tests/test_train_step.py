@@ -230,6 +230,9 @@ def test_train_step_short_path_agrees_with_the_full_one_and_steps_aside():
       runs[o] = o(params, state, batch)[:2]
     chex.assert_trees_all_equal(runs[short], runs[full])
   assert short._lean and taken == [True] * (2 * k - 1)  # (the first call compiles)
+  # Both programs called through their own C++ call (`_direct`), where this JAX keeps one.
+  for emit, program in short._pair.items():
+    assert short._calls.get(emit) is getattr(program, "_call", None), emit
   want, _ = ref.run_steps(MOMENTUM, P0, ref.mlp_loss, ref.windows(mbs[: 2 * k], k))
   chex.assert_trees_all_close(runs[short][0], want, **ref.TOL)
   # Other micro-batch types (6 examples, not 4), a weight, force_emit: the full path.
@@ -285,6 +288,61 @@ def test_train_step_lean_host_scalars_with_other_placements_and_runs():
   got, state = run(step, params, jax.device_put(step.init(P0), device), mbs)
   assert {d for x in jax.tree.leaves(state) for d in x.devices()} == {device}
   chex.assert_trees_all_close(got, want, **ref.TOL)
+
+
+LEAN_CONFIGS = [
+  {},
+  {"skip_nonfinite": False},
+  {"skip_nonfinite": "window"},
+  {"noise_scale": True},
+  {"reduction": "sum"},
+  {"grad_buffer": True},
+  {"accum_dtype": jnp.bfloat16, "rounding": "stochastic"},  # reads gradient_step (its key)
+  {"every_k": 1},
+]
+
+
+@pytest.mark.parametrize("kw", LEAN_CONFIGS, ids=lambda kw: ",".join(map(str, kw)) or "default")
+def test_train_step_lean_programs_read_all_they_use(monkeypatch, kw):
+  """The lean programs take neither ``window_k`` nor, without stochastic rounding, the
+  accumulating program ``gradient_step`` (`front_ends._lean.whole` puts stand-ins there: each
+  scalar passed costs a small model's call dispatch time). Nothing they write may depend on a
+  stand-in: with other stand-ins every call gives the same bits. The control: the stochastic
+  rounding's key does read ``gradient_step``, and another value there changes the sums (its
+  operations put this model over `FUSED_EMIT_MAX_OPS`; a smaller one takes the lean programs)."""
+  monkeypatch.setattr(optax_accum.front_ends._train_step, "FUSED_EMIT_MAX_OPS", 10_000)
+  kw = {"every_k": 3, **kw}
+  batches = _micro_batches(7, 4, seed=1)
+  whole = optax_accum.front_ends._lean.whole
+
+  def run(*, window_k=None, gradient_step=None):
+    def other(emit, reads, part, layout):
+      state = whole(emit, reads, part, layout)
+      if window_k is not None:
+        state = state._replace(window_k=jnp.asarray(window_k, jnp.int32))
+      if gradient_step is not None and not emit:
+        state = state._replace(gradient_step=jnp.asarray(gradient_step, jnp.int32))
+      return state
+
+    monkeypatch.setattr(optax_accum.front_ends._lean, "whole", other)
+    step = optax_accum.TrainStep(ref.mlp_loss, ADAM, **kw)
+    params, state, calls = P0, step.init(P0), []
+    for batch in batches:
+      params, state, value = step(params, state, batch)
+      calls.append(jax.device_get((params, state, value)))  # (before donation)
+    assert step._lean and step._layout.step == (kw.get("rounding") == "stochastic")
+    return calls
+
+  want = run()
+  reads_step = kw.get("rounding") == "stochastic"
+  got = run(window_k=97, gradient_step=None if reads_step else 1000)
+  chex.assert_trees_all_equal(got, want)
+  if reads_step:  # the control
+    other = run(gradient_step=1000)
+    assert any(
+      not np.array_equal(a, b)
+      for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(want), strict=True)
+    )
 
 
 def test_train_step_lean_only_where_a_state_is_spent_and_the_model_small():

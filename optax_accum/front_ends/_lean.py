@@ -8,15 +8,19 @@ knows several after a call, because it keeps the window position: ``mini_step`` 
 ``window_k`` (the open window's length; the next one's, an int `every_k`, once a window closes)
 and, after an accumulating micro-step, ``updated`` (False). So
 
-* the accumulating program reads ``mini_step``, ``window_k`` and ``gradient_step`` (not
-  donated, not returned: the same arrays go into the state it makes) and writes the sums, the
-  window's weight, the dropped count and the noise statistics;
-* the emitting program reads ``mini_step``, ``window_k`` and the sums (not donated: once the
-  window closes its sums are stale, and the state keeps the ones it had, as the contract
-  allows) and writes the window's weight (the closed window's, as `accumulate` leaves it), the
-  step count, the dropped count, the inner state, ``updated`` and the noise statistics. The
-  window's last sums are then a temporary of the program, as large as the parameters; with a
-  gradient buffer (``grad_buffer=True``: memory first) it writes the sums too, in place;
+* the accumulating program reads ``mini_step`` (with stochastic rounding ``gradient_step`` too,
+  its key; not donated, not returned: the same arrays go into the state it makes) and writes the
+  sums, the window's weight, the dropped count and the noise statistics;
+* the emitting program reads ``mini_step`` and the sums (not donated: once the window closes
+  its sums are stale, and the state keeps the ones it had, as the contract allows) and writes
+  the window's weight (the closed window's, as `accumulate` leaves it), the step count, the
+  dropped count, the inner state, ``updated`` and the noise statistics. The window's last sums
+  are then a temporary of the program, as large as the parameters; with a gradient buffer
+  (``grad_buffer=True``: memory first) it writes the sums too, in place;
+* neither reads ``window_k``: the host decides when a window closes, and no lean program writes
+  it (inside, the field holds the int `every_k`, `whole`). A scalar passed costs a small
+  model's micro-step more than its size suggests (`benchmarks/train_step_parts.py`: the NaN-safe
+  hand loop with 4 more int32 scalars per call);
 * the host-known scalars are device arrays made once (`Constants`), never donated by these
   programs, and made again if anything else deleted them.
 
@@ -24,8 +28,9 @@ Only with ``donate=True``, where the state a call is given is spent: the fields 
 reads go into the state it hands back as they are, so the two share them; with
 ``donate=False`` each state keeps arrays of its own, and a user may give an old one away.
 
-Per window of k micro-steps on the optax notebook's MLP: 9 outputs per accumulating call and 24
-for the emitting one, against 13 and 32 for the whole state (the hand-written loop's: 7 and 26).
+Per window of k micro-steps on the optax notebook's MLP: 17 inputs and 9 outputs per
+accumulating call, 31 and 24 for the emitting one (the NaN-safe hand-written loop's: 16 and 9,
+29 and 28).
 For a small model's programs (`TrainStep`'s choice of one emitting program) and every_k = 1;
 only where no output sharding is pinned (one device, no axis, no FSDP), not on a private path
 (whose closing program zeroes the spent sums), and for an int `every_k`.
@@ -33,13 +38,15 @@ only where no output sharding is pinned (one device, no axis, no FSDP), not on a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from optax_accum.core._state import AccumulateState
+
+_tuple_new = tuple.__new__
 
 # The fields `merged` fills in from `Constants`: each holds a value the host knows.
 CONSTANT_FIELDS = ("mini_step", "window_k", "updated")
@@ -98,41 +105,53 @@ class Constants:
     return state._replace(**revived) if revived else state
 
 
+class Layout(NamedTuple):
+  """What a `TrainStep`'s lean programs read of the state besides ``mini_step``: static,
+  decided with the programs."""
+
+  sums: bool = False  # the emitting program writes the sums (a gradient buffer), else reads them
+  step: bool = False  # the accumulating program reads ``gradient_step`` (stochastic rounding)
+  every_k: int = 1  # ``window_k`` inside a program, where nothing reads it
+
+
 # What crosses a program's boundary: plain tuples of the state's fields (unpacking a tuple
 # costs a call nothing, while a state handed back as an `AccumulateState` is built by a Python
 # constructor, and the accumulating program's inner state, all None, was 2.6 µs of flattening
 # per call on the notebook MLP). `reads`: never donated; `part`: donated, what the program
 # writes; `out`: what it hands back.
-#   accumulating  reads (mini_step, window_k, gradient_step)
+#   accumulating  reads (mini_step[, gradient_step])   (the step: with stochastic rounding)
 #                 part  (grad_sum, acc_weight, num_skipped, noise)         out: the same fields
-#   emitting      reads (mini_step, window_k[, grad_sum])  (the sums: when not written)
+#   emitting      reads (mini_step[, grad_sum])  (the sums: when not written)
 #                 part  (gradient_step, grad_sum | None, acc_weight, num_skipped, inner_state,
 #                        noise)                            out: part with `updated` before noise
 
 
-def operands(emit: bool, state: AccumulateState, sums: bool) -> tuple[tuple, tuple]:
-  """``(reads, part)`` of `state` for one program (`sums`: whether the emitting program writes
-  the sums)."""
+def operands(emit: bool, state: AccumulateState, layout: Layout) -> tuple[tuple, tuple]:
+  """``(reads, part)`` of `state` for one program."""
   s = state
   if emit:
-    reads = (s.mini_step, s.window_k) if sums else (s.mini_step, s.window_k, s.grad_sum)
-    part = (s.gradient_step, s.grad_sum if sums else None, s.acc_weight, s.num_skipped)
+    reads = (s.mini_step,) if layout.sums else (s.mini_step, s.grad_sum)
+    part = (s.gradient_step, s.grad_sum if layout.sums else None, s.acc_weight, s.num_skipped)
     return reads, (*part, s.inner_state, s.noise)
-  reads = (s.mini_step, s.window_k, s.gradient_step)
+  reads = (s.mini_step, s.gradient_step) if layout.step else (s.mini_step,)
   return reads, (s.grad_sum, s.acc_weight, s.num_skipped, s.noise)
 
 
-def whole(emit: bool, reads: tuple, part: tuple) -> AccumulateState:
-  """Inside a program: the state `_window` takes, from `operands` (``updated`` is never read;
-  the accumulating program never sees the inner state: None, as it is off the private paths,
-  the only ones that look at it there)."""
+def whole(emit: bool, reads: tuple, part: tuple, layout: Layout) -> AccumulateState:
+  """Inside a program: the state `_window` takes, from `operands`. Fields it neither reads
+  nor writes hold stand-ins that no written field depends on (`test_train_step`'s lowering
+  test checks that): ``window_k`` the int `every_k`, ``updated`` False, and in the
+  accumulating program ``gradient_step`` 0 without stochastic rounding and the inner state
+  None (as it is off the private paths, the only ones that look at it there)."""
   not_updated = jnp.zeros((), jnp.bool_)
+  window_k = jnp.asarray(layout.every_k, jnp.int32)
   if emit:
-    mini_step, window_k, *read_sums = reads
+    mini_step, *read_sums = reads
     gradient_step, grad_sum, acc_weight, num_skipped, inner_state, noise = part
     grad_sum = read_sums[0] if read_sums else grad_sum
   else:
-    mini_step, window_k, gradient_step = reads
+    mini_step, *read_step = reads
+    gradient_step = read_step[0] if read_step else jnp.zeros((), jnp.int32)
     grad_sum, acc_weight, num_skipped, noise = part
     inner_state = None
   return AccumulateState(
@@ -148,11 +167,11 @@ def whole(emit: bool, reads: tuple, part: tuple) -> AccumulateState:
   )
 
 
-def written(emit: bool, state: AccumulateState, sums: bool) -> tuple:
+def written(emit: bool, state: AccumulateState, layout: Layout) -> tuple:
   """Inside a program: what it hands back of the state it made (`out` above)."""
   s = state
   if emit:
-    out = s.grad_sum if sums else None
+    out = s.grad_sum if layout.sums else None
     return s.gradient_step, out, s.acc_weight, s.num_skipped, s.inner_state, s.updated, s.noise
   return (s.grad_sum, s.acc_weight, s.num_skipped, s.noise)
 
@@ -170,14 +189,8 @@ def merged(emit: bool, state: AccumulateState, out: tuple, known: tuple) -> Accu
     mini_step, length, updated = known
     sums, acc_weight, num_skipped, noise = out
     gradient_step, inner_state = state.gradient_step, state.inner_state
-  return AccumulateState(
-    mini_step,
-    gradient_step,
-    length,
-    sums,
-    acc_weight,
-    num_skipped,
-    inner_state,
-    updated,
-    noise,
+  # (`tuple.__new__`: a NamedTuple's own `__new__` is a Python frame, and this runs every call)
+  return _tuple_new(
+    AccumulateState,
+    (mini_step, gradient_step, length, sums, acc_weight, num_skipped, inner_state, updated, noise),
   )

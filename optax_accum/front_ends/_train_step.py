@@ -309,7 +309,7 @@ class TrainStep:
     self._constants, self._known = _lean.Constants(), {}
     self._compiled: dict[tuple, Any] = {}  # by `_host.signature`: both programs, compiled together
     self._key: tuple | None = None  # the last call's `_host.signature`
-    self._pair: Any = None  # its programs, `_compiled[_key]`
+    self._pair = self._calls = None  # its programs, `_compiled[_key]`, and `_direct`'s calls
     self._hollows: dict[Any, Any] = {}  # `_host.hollow` by the inner state's tree structure
     self._hollow_of: tuple = (None, None)  # the last inner state and its `_host.hollow`
     self._programs = self._jit()
@@ -448,11 +448,11 @@ class TrainStep:
   def _lean_step(self, params, reads, part, grad_buffer, args, weight, *, emit: bool):
     """A program in the lean calling convention (`_lean`): the state rebuilt from what it
     reads and what it writes, the micro-step, and only the written fields handed back."""
-    state = _lean.whole(emit, reads, part)
+    state = _lean.whole(emit, reads, part, self._layout)
     params, state, grad_buffer, value = self._step(
       params, state, grad_buffer, args, weight, emit=emit
     )
-    part = _lean.written(emit, state, self._lean_sums)
+    part = _lean.written(emit, state, self._layout)
     if emit:
       return params, part, grad_buffer, value
     return part, grad_buffer, value
@@ -650,9 +650,9 @@ class TrainStep:
     runs the call, as it did before this path existed. A failure while running that left
     every input alive is raised here, never run again."""
     emit = self._position + 1 >= self._window_k
-    reads, part = _lean.operands(emit, state, self._lean_sums)
+    reads, part = _lean.operands(emit, state, self._layout)
     try:
-      out = self._pair[emit](params, reads, part, self._grad_buffer, args, None)
+      out = self._direct(emit)(params, reads, part, self._grad_buffer, args, None)
     except (TypeError, ValueError):
       return None
     except RuntimeError:  # (a deleted array, with several devices; else it failed running)
@@ -663,6 +663,20 @@ class TrainStep:
     params, state, self._grad_buffer, value = self._lean_state(emit, params, state, out)
     self._moved(emit, params, state)
     return params, state, value
+
+  def _direct(self, program: bool) -> Callable[..., Any]:
+    """`_pair[program]`'s own call: JAX's C++ dispatch, which `jax.stages.Compiled.__call__`
+    wraps in a Python frame (a few percent of a small model's call on CPU:
+    `benchmarks/train_step_parts.py` calls the notebook MLP's accumulating program both ways).
+    The compiled program itself until its first call has made that call, or where JAX keeps
+    none (`_call` is JAX's attribute, not its API: without it this is the public call)."""
+    call = self._calls.get(program)
+    if call is None:
+      call = getattr(self._pair[program], "_call", None)
+      if call is None:
+        return self._pair[program]
+      self._calls[program] = call
+    return call
 
   def _moved(self, emit: bool, params: Any, state: Any) -> None:
     """After a call: the window position, the next window's length once one closes, and what
@@ -718,7 +732,7 @@ class TrainStep:
     """`_dispatch` in the lean calling convention (`_lean`): the program's operands from the
     state, and the state after the call from what it wrote and what the host knows."""
     params, state, grad_buffer, args, weight = whole
-    reads, part = _lean.operands(emit, state, self._lean_sums)
+    reads, part = _lean.operands(emit, state, self._layout)
     try:
       out = self._first(emit, (params, reads, part, grad_buffer, args, weight), whole)
     except ValueError:  # (refused before it ran: nothing donated)
@@ -779,7 +793,7 @@ class TrainStep:
     params, state, grad_buffer, args, weight = whole
     if self._key is not None:
       try:
-        return self._pair[program](*operands)  # (`_compiled[_key]`, without hashing the key)
+        return self._direct(program)(*operands)  # (`_compiled[_key]`: no key to hash)
       except (TypeError, ValueError, RuntimeError) as e:
         # A deleted array (RuntimeError with several devices), other micro-batch types
         # (looked up below), or a refusal that `_run` explains. Any other RuntimeError came
@@ -790,7 +804,7 @@ class TrainStep:
     key = _host.signature(args, weight)
     if key not in self._compiled:
       self._compiled[key] = self._compile_both(params, state, grad_buffer, args, weight)
-    self._key, self._pair = key, self._compiled[key]
+    self._key, self._pair, self._calls = key, self._compiled[key], {}
     return self._run(key, program, operands, (params, state))
 
   def _run(self, key: tuple, program: bool, operands: tuple, live: tuple) -> Any:
@@ -837,7 +851,9 @@ class TrainStep:
     """Whether the programs take the lean calling convention (`_lean`; `sums`: whether its
     emitting program writes the sums), and with it one pooled finite check (`Config.pool_check`:
     its programs run on one device, nothing sharded)."""
-    self._lean, self._lean_sums = lean, sums
+    every_k = self.every_k if isinstance(self.every_k, int) else 1  # (lean: an int every_k)
+    self._lean = lean
+    self._layout = _lean.Layout(sums, self._cfg.rounding == "stochastic", every_k)
     self._cfg = self._cfg._replace(pool_check=lean)
 
   def _choose_emitting(self, accumulating: Any, params: Any, grad_buffer: Any) -> None:
@@ -888,7 +904,7 @@ class TrainStep:
       buffer = self._buffer_types(params, args)
     key = _host.signature(args, weight)
     self._compiled[key] = self._compile_both(params, state, buffer, args, weight)
-    self._key, self._pair = key, self._compiled[key]
+    self._key, self._pair, self._calls = key, self._compiled[key], {}
     return self
 
   def lower(self, params, state, *args, weight=None, emit: bool = False):
@@ -917,7 +933,7 @@ class TrainStep:
 
   def _lower(self, emit: bool, params, state, grad_buffer, args, weight):
     if self._lean:  # `_lean.operands`
-      reads, part = _lean.operands(emit, state, self._lean_sums)
+      reads, part = _lean.operands(emit, state, self._layout)
       return self._programs[emit].lower(params, reads, part, grad_buffer, args, weight)
     if self._cfg.unaccumulated or (emit and self._fused_emit):  # grad → add → close
       return self._programs[True].lower(params, state, grad_buffer, args, weight)
