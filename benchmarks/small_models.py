@@ -23,11 +23,11 @@ Also: XLA's compiled temporary bytes and compile seconds of the in-step programs
 jitted identity on the same params and Adam state (donated), the least any
 one-call-per-micro-step path pays per call.
 
-    python benchmarks/small_models.py --rounds 31  # the committed run
+    python benchmarks/small_models.py --rounds 61  # the committed run
     python benchmarks/small_models.py --rounds 3 --models notebook_mlp nnx_cnn
 
 About 4 CPU-minutes, most of them compiling (some 80 programs) and the NNX CNN's rolled loops
-(0.8 s a step on CPU); the committed run took 385 s on a 2-core machine at a load average of 2-3
+(0.8 s a step on CPU); the committed run took 583 s on a 2-core machine at a load average of 1-2
 (20 minutes at 10 to 13). A cross-step sample runs whole windows for at least `SAMPLE_S`
 (0.05 s): the calls of consecutive windows are dispatched without waiting, as a training loop
 dispatches them, and a small model's window (a fraction of a millisecond) is not timed alone.
