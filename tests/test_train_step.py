@@ -296,6 +296,7 @@ LEAN_CONFIGS = [
   {"skip_nonfinite": "window"},
   {"noise_scale": True},
   {"reduction": "sum"},
+  {"weight_fn": lambda batch: jnp.sum(jnp.abs(batch["y"]))},  # a weight per micro-batch
   {"grad_buffer": True},
   {"accum_dtype": jnp.bfloat16, "rounding": "stochastic"},  # reads gradient_step (its key)
   {"every_k": 1},

@@ -18,7 +18,7 @@ and, after an accumulating micro-step, ``updated`` (False). So
   are then a temporary of the program, as large as the parameters; with a gradient buffer
   (``grad_buffer=True``: memory first) it writes the sums too, in place;
 * neither reads ``window_k``: the host decides when a window closes, and no lean program writes
-  it (inside, the field holds the int `every_k`, `whole`). A scalar passed costs a small
+  it (inside, the field holds a stand-in, `whole`). A scalar passed costs a small
   model's micro-step more than its size suggests (`benchmarks/train_step_parts.py`: the NaN-safe
   hand loop with 4 more int32 scalars per call);
 * the host-known scalars are device arrays made once (`Constants`), never donated by these
@@ -111,7 +111,6 @@ class Layout(NamedTuple):
 
   sums: bool = False  # the emitting program writes the sums (a gradient buffer), else reads them
   step: bool = False  # the accumulating program reads ``gradient_step`` (stochastic rounding)
-  every_k: int = 1  # ``window_k`` inside a program, where nothing reads it
 
 
 # What crosses a program's boundary: plain tuples of the state's fields (unpacking a tuple
@@ -139,12 +138,12 @@ def operands(emit: bool, state: AccumulateState, layout: Layout) -> tuple[tuple,
 
 def whole(emit: bool, reads: tuple, part: tuple, layout: Layout) -> AccumulateState:
   """Inside a program: the state `_window` takes, from `operands`. Fields it neither reads
-  nor writes hold stand-ins that no written field depends on (`test_train_step`'s lowering
-  test checks that): ``window_k`` the int `every_k`, ``updated`` False, and in the
+  nor writes hold stand-ins that no written field depends on (`test_train_step` runs them with
+  other stand-ins and gets the same bits): ``window_k`` 0, ``updated`` False, and in the
   accumulating program ``gradient_step`` 0 without stochastic rounding and the inner state
   None (as it is off the private paths, the only ones that look at it there)."""
   not_updated = jnp.zeros((), jnp.bool_)
-  window_k = jnp.asarray(layout.every_k, jnp.int32)
+  window_k = jnp.zeros((), jnp.int32)
   if emit:
     mini_step, *read_sums = reads
     gradient_step, grad_sum, acc_weight, num_skipped, inner_state, noise = part

@@ -851,9 +851,8 @@ class TrainStep:
     """Whether the programs take the lean calling convention (`_lean`; `sums`: whether its
     emitting program writes the sums), and with it one pooled finite check (`Config.pool_check`:
     its programs run on one device, nothing sharded)."""
-    every_k = self.every_k if isinstance(self.every_k, int) else 1  # (lean: an int every_k)
     self._lean = lean
-    self._layout = _lean.Layout(sums, self._cfg.rounding == "stochastic", every_k)
+    self._layout = _lean.Layout(sums, self._cfg.rounding == "stochastic")
     self._cfg = self._cfg._replace(pool_check=lean)
 
   def _choose_emitting(self, accumulating: Any, params: Any, grad_buffer: Any) -> None:
