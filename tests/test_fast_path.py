@@ -86,10 +86,11 @@ def test_finite_check_reads_the_imaginary_part():
     assert not bool(check(_with(x, 7, value)))
 
 
-def test_finite_check_is_exact_for_float64():
+@pytest.mark.parametrize("pooled", [False, True], ids=["per-leaf", "pooled"])
+def test_finite_check_is_exact_for_float64(pooled):
   with jax.enable_x64(True):
     big = np.full((9, 7), np.finfo(np.float64).max, np.float64)
-    check = jax.jit(_core.all_finite)
+    check = jax.jit(functools.partial(_core.all_finite, pooled=pooled))
     assert bool(check(big)) and bool(check(-big))
     assert not bool(check(_with(big, 62, np.inf))) and not bool(check(_with(big, 0, np.nan)))
 
@@ -103,7 +104,9 @@ def _mixed_tree(rng: np.random.Generator) -> dict:
   tree = {f"small{i}": f32(*shape) for i, shape in enumerate([(), (7,), (32, 10), (64, 64)])}
   tree |= {f"row{i}": f32(*shape) for i, shape in enumerate([(784, 32), (3, 5, 700), (9000,)])}
   tree |= {f"many{i}": f32(4096) for i in range(20)}  # 81,920 elements: two pools
-  tree |= {"tall": f32(70_000, 1), "bf16": f32(33, 17).astype(jnp.bfloat16)}
+  # Row sums summed alone: in 32 rows of a literal's width, and beyond one (a plain sum).
+  tree |= {"tall": f32(70_000, 1), "taller": f32(140_000, 1)}
+  tree |= {"bf16": f32(33, 17).astype(jnp.bfloat16)}
   tree |= {"c64": (f32(6, 5) + 1j * f32(6, 5)).astype(np.complex64)}
   tree |= {"int": np.arange(5, dtype=np.int32), "empty": np.zeros((0, 3), np.float32)}
   return tree
@@ -142,16 +145,18 @@ def test_finite_check_dots_ask_for_full_precision(pooled):
   leaves = (jnp.ones((512, 64)), jnp.ones((4100,)), jnp.ones((4, 5), jnp.complex64))
   text = jax.jit(check).lower(leaves).as_text()
   dots = [line for line in text.split("\n") if "dot_general" in line]
-  assert len(dots) == 3 and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
+  # One per leaf, and the pool's own (its 513 row sums laid out as rows, `_core._pooled`).
+  assert len(dots) == 3 + pooled and all("precision = [HIGHEST, HIGHEST]" in d for d in dots), dots
 
 
 @pytest.mark.structure
 def test_finite_check_of_many_small_leaves_is_one_sum():
   """The pool (`pooled=True`, `TrainStep`'s programs for a small model on one device): 40
-  float32 leaves that are each small are joined and summed once (XLA splits that sum in up to
-  three steps), where the default check, one per leaf, is 40 reductions at least. XLA:CPU pays
-  each operation a fixed dispatch whatever its size, and a small model's micro-step is made of
-  such operations."""
+  float32 leaves that are each small are joined and summed once, where the default check, one
+  per leaf, is 40 reductions at least. The join's 3,200 elements are summed as 32 rows by one
+  `dot` and those 32 sums by one `reduce` (summed as they come, XLA:CPU would take three
+  `reduce-window` steps). XLA:CPU pays each operation a fixed dispatch whatever its size, and a
+  small model's micro-step is made of such operations."""
 
   def reductions(check):
     leaves = [jax.ShapeDtypeStruct((32,) if i % 2 else (16, 8), jnp.float32) for i in range(40)]
@@ -161,7 +166,25 @@ def test_finite_check_of_many_small_leaves_is_one_sum():
 
   pooled = functools.partial(_core.all_finite, pooled=True)
   assert len(reductions(_core.all_finite)) >= 40
-  assert 1 <= len(reductions(pooled)) <= 3, reductions(pooled)
+  assert len(reductions(pooled)) == 2 and not any("window" in r for r in reductions(pooled))
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("pooled", [False, True], ids=["per-leaf", "pooled"])
+def test_finite_check_runs_no_broadcast(pooled):
+  """The scale vectors of the check's `dot`s are literals of the program (`_core._scales`), not
+  `broadcast`s that XLA:CPU would run on every call: on the optax notebook MLP's gradient the
+  pooled check is four operations (a row-sum `dot` of the 784×32 weight, the join, the pool's
+  `dot`, the final sum), where uniform scales and a plain sum took six."""
+  shapes = [(784, 32), (32,), (32, 32), (32,), (32, 10), (10,)]
+  leaves = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+  check = functools.partial(_core.all_finite, pooled=pooled)
+  compiled = _hlo.compile_fn(lambda *xs: check(xs), *leaves)
+  comps, entry = _hlo.computations(compiled.text)
+  ran = [i for i in comps[entry] if i.op not in ("parameter", "constant", "bitcast", "tuple")]
+  assert not any("broadcast" in i.name or i.op == "broadcast" for i in ran), ran
+  if pooled:
+    assert len(ran) == 4, [i.name for i in ran]
 
 
 @pytest.mark.structure

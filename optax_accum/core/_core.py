@@ -19,6 +19,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optax_accum.core import _checks
@@ -163,7 +164,8 @@ def all_finite(tree: Any, *, pooled: bool = False) -> jax.Array:
   pools of at most `_POOL` elements, each summed once (a part larger than that alone). Per
   leaf, the check is one to three operations, and XLA:CPU's executor costs each about half a
   microsecond a call whatever its size: the optax notebook's MLP (six leaves) took 12 for its
-  check, pooled 5. Not by default: a join of leaves that a mesh shards differently makes GSPMD
+  check, pooled 4 (the weight's row sums, the join, its rows' sums, the total; `_pooled`,
+  `_scales`). Not by default: a join of leaves that a mesh shards differently makes GSPMD
   gather them (and explicitly sharded leaves have no joined sharding), so narrower floats,
   complex leaves and leaves sharded by their type are checked one by one even then.
   """
@@ -219,6 +221,10 @@ _CHECK_SCALE = 2.0**-64
 # pool holds at most `_POOL` elements (256 KiB of float32: its temporary, never parameter-sized).
 _INLINE = 4096
 _POOL = 2**16
+# XLA:CPU sums an array of more than this many elements in steps (`_pooled`).
+_WINDOW = 32
+# The longest scale vector a check's `dot` carries as a literal (`_scales`): 16 KiB of float32.
+_LITERAL = 4096
 # The check's dots in full float32 whatever the default matmul precision: a bfloat16 pass (a
 # TPU's default) or TF32 (a GPU's) rounds a float32 near its largest value to Inf.
 _EXACT = lax.Precision.HIGHEST
@@ -226,19 +232,35 @@ _EXACT = lax.Precision.HIGHEST
 
 def _scaled_part(x: jax.Array) -> jax.Array:
   """`x`·2⁻⁶⁴ as a pool takes it, 1-D: a small leaf's values, or a larger leaf's row sums as
-  ``rows @ c`` with ``c = 2⁻⁶⁴`` everywhere, a matrix-vector product that XLA keeps a real
-  `dot` (one read of `x`, no temporary; measured 0.37 of an accumulation pass on CPU, against
-  1.06 for a scaled sum of squares, which also materialised the scale as a parameter-sized
-  constant)."""
+  ``rows @ c`` with ``c = 2⁻⁶⁴`` (the last 2⁻⁶⁵, `_scales`), a matrix-vector product that XLA
+  keeps a real `dot` (one read of `x`, no temporary; measured 0.37 of an accumulation pass on
+  CPU, against 1.06 for a scaled sum of squares, which also materialised the scale as a
+  parameter-sized constant)."""
   if x.size <= _INLINE:
     return x.reshape(-1) * jnp.asarray(_CHECK_SCALE, x.dtype)
   return _row_sums(x)
 
 
 def _row_sums(x: jax.Array) -> jax.Array:
-  """``rows @ c``, `x`'s rows (its last axis) summed scaled by ``c = 2⁻⁶⁴``, in one `dot`."""
+  """``rows @ c``, `x`'s rows (its last axis) summed scaled by ``c = 2⁻⁶⁴`` (`_scales`), in one
+  `dot`."""
   rows = x.reshape(-1, x.shape[-1]) if x.ndim >= 2 else x.reshape(1, -1)
-  return lax.dot(rows, jnp.full((rows.shape[-1],), _CHECK_SCALE, x.dtype), precision=_EXACT)
+  return lax.dot(rows, _scales(rows.shape[-1], x.dtype, _CHECK_SCALE), precision=_EXACT)
+
+
+def _scales(n: int, dtype: Any, scale: float) -> jax.Array:
+  """A vector of `n` powers of two, `scale` and (the last one) `scale`/2, for a check's `dot`.
+
+  Not uniform, so that XLA keeps it a literal of the program: a uniform vector (`jnp.full`)
+  stays a `broadcast` that XLA:CPU runs as an operation on every call, a fixed dispatch as
+  costly as any small operation. Powers of two keep each product exact or underflowing to 0,
+  which leaves NaN and ±Inf as they are. Uniform above `_LITERAL` elements (a literal is part
+  of the compiled program)."""
+  if n > _LITERAL:
+    return jnp.full((n,), scale, dtype)
+  values = np.full((n,), scale, dtype)
+  values[-1] = scale / 2
+  return jnp.asarray(values)
 
 
 def _poolable(x: jax.Array) -> bool:
@@ -252,17 +274,29 @@ def _poolable(x: jax.Array) -> bool:
 
 
 def _pooled(parts: list[jax.Array]) -> jax.Array:
-  """Whether a pool's parts are all finite: joined and summed once. The join stays one array
-  (an optimisation barrier): XLA would otherwise turn the sum of a join back into one sum per
-  part (`reduce(concatenate)` → a `reduce` each)."""
-  pool = parts[0] if len(parts) == 1 else lax.optimization_barrier(jnp.concatenate(parts))
-  return jnp.isfinite(jnp.sum(pool))
+  """Whether a pool's parts are all finite: joined and summed once.
+
+  XLA:CPU sums more than `_WINDOW` elements in steps of `_WINDOW` (a `reduce-window` each:
+  three operations for the optax notebook MLP's 2,202), so a pool of more is first laid out as
+  `_WINDOW` rows, padded with zeros, and the rows summed by a matrix-vector `dot` (one
+  operation): two operations in all. The join stays one array (an optimisation barrier): XLA
+  would otherwise turn the sum of a join back into one sum per part (`reduce(concatenate)` →
+  a `reduce` each)."""
+  size = sum(p.size for p in parts)
+  width = -(-size // _WINDOW)
+  if size <= _WINDOW or width > _LITERAL:
+    pool = parts[0] if len(parts) == 1 else lax.optimization_barrier(jnp.concatenate(parts))
+    return jnp.isfinite(jnp.sum(pool))
+  dtype = parts[0].dtype
+  padding = [jnp.zeros((_WINDOW * width - size,), dtype)] if _WINDOW * width > size else []
+  rows = lax.optimization_barrier(jnp.concatenate([*parts, *padding])).reshape(_WINDOW, width)
+  return jnp.isfinite(jnp.sum(lax.dot(rows, _scales(width, dtype, 1.0), precision=_EXACT)))
 
 
 def _leaf_finite(x: Any) -> jax.Array:
   """Whether one leaf is free of NaN/Inf, in the cheapest exact form XLA offers for its dtype.
 
-  float32, float64 and complex leaves: ``isfinite(Σ x @ c)`` with ``c = 2⁻⁶⁴`` everywhere (see
+  float32, float64 and complex leaves: ``isfinite(Σ x @ c)`` with ``c = 2⁻⁶⁴`` (see
   `_scaled_part`); a complex `c·x` keeps the real and imaginary sums apart, so both parts are
   checked. Narrower floats (bfloat16, float16, float8): ``Σ (x - x) == 0`` — each term is 0,
   or NaN for NaN/±Inf, so the sum cannot overflow; a `dot` would first convert them to
