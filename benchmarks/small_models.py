@@ -27,7 +27,7 @@ one-call-per-micro-step path pays per call.
     python benchmarks/small_models.py --rounds 3 --models notebook_mlp nnx_cnn
 
 About 4 CPU-minutes, most of them compiling (some 80 programs) and the NNX CNN's rolled loops
-(0.8 s a step on CPU); the committed run took 583 s on a 2-core machine at a load average of 1-2
+(0.8 s a step on CPU); the committed run took 775 s on a 2-core machine at a load average of 1-2
 (20 minutes at 10 to 13). A cross-step sample runs whole windows for at least `SAMPLE_S`
 (0.05 s): the calls of consecutive windows are dispatched without waiting, as a training loop
 dispatches them, and a small model's window (a fraction of a millisecond) is not timed alone.
