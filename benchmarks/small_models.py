@@ -251,15 +251,15 @@ class Protocol(Runner):
 
 
 class Train(Runner):
-  """`TrainStep(loss, adam, k)`, called once per micro-batch. `two_programs`: the emitting
-  micro-step runs the accumulating program and then the closing one whatever the model's size
-  (``_train_step.FUSED_EMIT_MAX_OPS = 0`` while the object decides), the path before issue 42's
-  item 7 for a small model, as a contender in the same run."""
+  """`TrainStep(loss, adam, k, **options)`, called once per micro-batch. `two_programs`: the
+  emitting micro-step runs the accumulating program and then the closing one whatever the
+  model's size (``_train_step.FUSED_EMIT_MAX_OPS = 0`` while the object decides), the path
+  before issue 42's item 7 for a small model, as a contender in the same run."""
 
-  def __init__(self, params, loss, k, micro, two_programs=False):
+  def __init__(self, params, loss, k, micro, two_programs=False, **options):
     super().__init__(params)
     with _max_ops(0 if two_programs else _train_step.FUSED_EMIT_MAX_OPS):
-      self.step = optax_accum.TrainStep(loss, adam(), k)
+      self.step = optax_accum.TrainStep(loss, adam(), k, **options)
       self.state, self.micro = self.step.init(self.params), micro
       self.step.compile(self.params, self.state, micro[0])
 
@@ -547,11 +547,16 @@ def large_batch_update(s: Small, params, batch):
   return step(params, tx.init(params), batch)[0]
 
 
-def measure(s: Small, rounds: int, log: Callable) -> dict:
+def inputs(s: Small) -> tuple[Any, Any, list]:
+  """The model's parameters, one step's batch of k·b rows, and its k micro-batches: micro-batch
+  i takes rows i, i+k, ... (strided), as microbatch's default split does."""
   params = s.model.init(jax.random.key(0))
   batch = s.model.batch(jax.random.key(1), s.k * s.b)
-  # Micro-batch i takes rows i, i+k, ... (strided), as microbatch's default split does.
-  micro = [jax.tree.map(lambda x, i=i: x[i :: s.k], batch) for i in range(s.k)]
+  return params, batch, [jax.tree.map(lambda x, i=i: x[i :: s.k], batch) for i in range(s.k)]
+
+
+def measure(s: Small, rounds: int, log: Callable) -> dict:
+  params, batch, micro = inputs(s)
   want = large_batch_update(s, params, batch)
   cross = cross_runners(s, params, micro)
   inner, programs = in_step_runners(s, params, batch)

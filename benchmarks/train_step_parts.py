@@ -53,9 +53,7 @@ def _copy(tree):
 def contenders(s, params, micro):
   cross = sm.cross_runners(s, params, micro)
   ts, hand = cross["TrainStep"], cross["hand loop"]
-  plain = sm.Train(params, s.model.loss, s.k, micro)
-  plain.step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k, skip_nonfinite=False)
-  plain.state = plain.step.init(plain.params)
+  plain = sm.Train(params, s.model.loss, s.k, micro, skip_nonfinite=False)
   # A TrainStep of its own for the minimal driver (it moves that object's window position).
   step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k)
   own = {"p": _copy(params), "s": step.init(_copy(params))}
@@ -130,9 +128,7 @@ def contenders(s, params, micro):
 def main() -> None:
   rounds = int(os.environ.get("ROUNDS", 9))
   s = sm.models()["notebook_mlp"]
-  params = s.model.init(jax.random.key(0))
-  batch = s.model.batch(jax.random.key(1), s.k * s.b)
-  micro = [jax.tree.map(lambda x, i=i: x[i :: s.k], batch) for i in range(s.k)]
+  params, _, micro = sm.inputs(s)
   runs = {n: sm._repeated(f, REPEATS) for n, f in contenders(s, params, micro).items()}
   load = os.getloadavg()[0]
   timed = H.run_side_by_side(runs, rounds=rounds, units=s.k * REPEATS)

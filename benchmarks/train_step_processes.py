@@ -36,7 +36,6 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import optax_accum  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from benchmarks import small_models as sm  # noqa: E402
 
@@ -45,14 +44,13 @@ BASE = "hand loop"
 
 
 def contenders(s, params, micro) -> dict[str, sm.Runner]:
-  plain = sm.Train(params, s.model.loss, s.k, micro)
-  plain.step = optax_accum.TrainStep(s.model.loss, sm.adam(), s.k, skip_nonfinite=False)
-  plain.state = plain.step.init(plain.params)
   runners = {
     "TrainStep": sm.Train(params, s.model.loss, s.k, micro),
     "hand loop": sm.HandLoop(params, s.model.loss, s.k, micro),
     "hand loop, NaN-safe": sm.NanSafeHandLoop(params, s.model.loss, s.k, micro),
-    "TrainStep, skip_nonfinite=False": plain,
+    "TrainStep, skip_nonfinite=False": sm.Train(
+      params, s.model.loss, s.k, micro, skip_nonfinite=False
+    ),
   }
   assert tuple(runners) == NAMES
   return runners
@@ -62,9 +60,7 @@ def one_process(rounds: int) -> dict:
   """This process's medians (µs per micro-step) and per-round paired ratios to the hand loop,
   after checking that every contender lands on the large batch's parameters."""
   s = sm.models()["notebook_mlp"]
-  params = s.model.init(jax.random.key(0))
-  batch = s.model.batch(jax.random.key(1), s.k * s.b)
-  micro = [jax.tree.map(lambda x, i=i: x[i :: s.k], batch) for i in range(s.k)]
+  params, batch, micro = sm.inputs(s)
   runners = contenders(s, params, micro)
   sm.check_agreement(runners, sm.large_batch_update(s, params, batch))
   reps = sm._repeats(runners[BASE].window)
