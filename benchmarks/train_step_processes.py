@@ -17,8 +17,12 @@ goal by) and their range:
 
     python benchmarks/train_step_processes.py   # writes results/cpu/train_step_processes.md
     python benchmarks/train_step_processes.py --processes 3 --rounds 21   # about a minute
+    python benchmarks/train_step_processes.py --cpus 1   # results/cpu/train_step_processes_1cpu.md
 
-The defaults (8 processes of 61 rounds) take about four minutes on 2 CPUs.
+The defaults (8 processes of 61 rounds) take about four minutes on 2 CPUs. ``--cpus n`` runs
+each process on the machine's first n CPUs only (its affinity, set before JAX starts its
+thread pools): with one, nothing a call does on the host overlaps the programs XLA runs, so
+the table shows each contender's whole work per micro-step.
 """
 
 from __future__ import annotations
@@ -27,8 +31,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -75,12 +77,14 @@ def one_process(rounds: int) -> dict:
 
 
 def report(runs: list[dict], args, when: str, load: tuple[float, float]) -> str:
+  cpus = f" --cpus {args.cpus}" if args.cpus else ""
+  pinned = f" (each process on {args.cpus} of them)" if args.cpus else ""
   lines = [
     "# TrainStep against the hand loop on the notebook MLP, over fresh processes "
     "(issue 42, item 7)",
     "",
     f"`python benchmarks/train_step_processes.py --processes {args.processes} --rounds "
-    f"{args.rounds}`; {when}, {jax.default_backend()}, {os.cpu_count()} CPUs, jax "
+    f"{args.rounds}{cpus}`; {when}, {jax.default_backend()}, {os.cpu_count()} CPUs{pinned}, jax "
     f"{jax.__version__}; load average {load[0]:.1f} at the start, {load[1]:.1f} at the end. "
     f"{runs[0]['what']}. Each process: the four contenders checked against the large batch's "
     f"update, then timed side by side in {args.rounds} rounds that rotate their order "
@@ -92,9 +96,10 @@ def report(runs: list[dict], args, when: str, load: tuple[float, float]) -> str:
     "| contender | median over processes | lowest | highest |",
     "|---|---:|---:|---:|",
   ]
+  over = sm.over_runs(runs)
   for n in NAMES:
-    r = [run["ratio"][n] for run in runs]
-    lines.append(f"| {n} | **{statistics.median(r):.3f}×** | {min(r):.3f}× | {max(r):.3f}× |")
+    lo, hi = over["range"][n]
+    lines.append(f"| {n} | **{over['ratio'][n]:.3f}×** | {lo:.3f}× | {hi:.3f}× |")
   lines += ["", "## Each process: µs per micro-step (ratio to the hand loop)", ""]
   lines += ["| process | " + " | ".join(NAMES) + " |", "|---" + "|---:" * len(NAMES) + "|"]
   for i, run in enumerate(runs):
@@ -107,20 +112,28 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--processes", type=int, default=8)
   ap.add_argument("--rounds", type=int, default=61)
-  ap.add_argument("--out", type=Path, default=sm.OUT / "train_step_processes.md")
+  ap.add_argument("--cpus", type=int, default=None, help="each process on this many CPUs")
+  ap.add_argument("--out", type=Path, default=None)
   ap.add_argument("--one", action="store_true", help="(internal) run one process, print JSON")
   args = ap.parse_args(argv)
   if args.one:
+    if args.cpus:  # (before the first array: XLA sizes its thread pools by the affinity)
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     print(json.dumps(one_process(args.rounds)))
     return
+  if args.out is None:
+    name = f"train_step_processes_{args.cpus}cpu.md" if args.cpus else "train_step_processes.md"
+    args.out = sm.OUT / name
   when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-  start, runs = os.getloadavg()[0], []
-  for i in range(args.processes):
-    cmd = [sys.executable, __file__, "--one", "--rounds", str(args.rounds)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    runs.append(json.loads(out.strip().splitlines()[-1]))
-    ratios = ", ".join(f"{n} {runs[-1]['ratio'][n]:.3f}×" for n in NAMES if n != BASE)
-    print(f"process {i + 1}/{args.processes}: {ratios}", flush=True)
+  start = os.getloadavg()[0]
+
+  def say(i: int, run: dict) -> None:
+    ratios = ", ".join(f"{n} {run['ratio'][n]:.3f}×" for n in NAMES if n != BASE)
+    print(f"process {i}/{args.processes}: {ratios}", flush=True)
+
+  cmd = [sys.executable, __file__, "--one", "--rounds", str(args.rounds)]
+  cmd += ["--cpus", str(args.cpus)] if args.cpus else []
+  runs = sm.in_fresh_processes(cmd, args.processes, say)
   text = report(runs, args, when, (start, os.getloadavg()[0]))
   print(text)
   args.out.write_text(text)
