@@ -32,10 +32,12 @@ one-call-per-micro-step path pays per call.
     python benchmarks/small_models.py --rounds 3 --processes 2 --models notebook_mlp nnx_cnn
 
 About 4 CPU-minutes, most of them compiling (some 80 programs) and the NNX CNN's rolled loops
-(0.8 s a step on CPU); the committed run took 775 s on a 2-core machine at a load average of 1-2
-(20 minutes at 10 to 13). A cross-step sample runs whole windows for at least `SAMPLE_S`
-(0.05 s): the calls of consecutive windows are dispatched without waiting, as a training loop
-dispatches them, and a small model's window (a fraction of a millisecond) is not timed alone.
+(0.8 s a step on CPU), and a minute or so per process of `--processes`; the committed run took
+934 s on a 2-core machine at a load average of 1-3 (an earlier one, without the processes,
+20 minutes at a load average of 10 to 13). A cross-step sample runs whole windows for at least
+`SAMPLE_S` (0.05 s): the calls of consecutive windows are dispatched without waiting, as a
+training loop dispatches them, and a small model's window (a fraction of a millisecond) is not
+timed alone.
 """
 
 from __future__ import annotations
@@ -628,7 +630,8 @@ def cross_over_processes(name: str, rounds: int, processes: int, log: Callable) 
   def say(i: int, run: dict) -> None:
     log(f"{name}, process {i}/{processes}: TrainStep {run['ratio']['TrainStep']:.3f}×")
 
-  return {"processes": processes, **over_runs(in_fresh_processes(cmd, processes, say))}
+  runs = in_fresh_processes(cmd, processes, say)
+  return {"processes": processes, **over_runs(runs), "runs": runs}
 
 
 def in_fresh_processes(cmd: list[str], processes: int, log: Callable) -> list[dict]:
@@ -639,8 +642,10 @@ def in_fresh_processes(cmd: list[str], processes: int, log: Callable) -> list[di
   one. `log(i, result)` after each."""
   runs = []
   for i in range(processes):
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    runs.append(json.loads(out.strip().splitlines()[-1]))
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
     log(i + 1, runs[-1])
   return runs
 
@@ -724,6 +729,9 @@ def over_processes_table(over: dict | None, rounds: int) -> list[str]:
     f"process on its own ({rounds} rounds, checked against the large batch first), one after "
     "another; the median over processes is the figure for issue 42's item 7 (`TrainStep` "
     "within 1.10× of the hand loop).",
+    "",
+    "µs: the median over processes of each one's median (not paired: compare the ratios, each "
+    "a median of per-round ratios within its process).",
     "",
     "| contender | µs per micro-step | / hand loop: median over processes | lowest | highest |",
     "|---|---:|---:|---:|---:|",

@@ -121,6 +121,9 @@ def main(argv=None) -> None:
       os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.cpus])
     print(json.dumps(one_process(args.rounds)))
     return
+  available = len(os.sched_getaffinity(0))
+  if args.cpus is not None and not 1 <= args.cpus <= available:
+    ap.error(f"--cpus must be between 1 and the {available} CPUs this process may use")
   if args.out is None:
     name = f"train_step_processes_{args.cpus}cpu.md" if args.cpus else "train_step_processes.md"
     args.out = sm.OUT / name
