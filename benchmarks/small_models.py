@@ -606,20 +606,25 @@ def time_cross(s: Small, cross: dict[str, Runner], rounds: int) -> tuple[dict, i
   return H.run_side_by_side(windows, rounds=rounds, units=s.k * reps), reps
 
 
-def cross_in_this_process(name: str, rounds: int) -> dict:
-  """`name`'s cross-step contenders alone in this process: checked against the large batch,
-  then timed; each one's median (µs per micro-step) and its median of per-round ratios to the
-  hand loop."""
-  s = models()[name]
+def checked_and_timed(s: Small, make: Callable, rounds: int) -> dict:
+  """Contenders `make(s, params, micro)` (a "hand loop" among them) in this process, checked
+  against the large batch, then timed side by side: each one's median (µs per micro-step), its
+  median of per-round ratios to the hand loop, and the windows a sample ran."""
   params, batch, micro = inputs(s)
-  cross = cross_runners(s, params, micro)
-  check_agreement(cross, large_batch_update(s, params, batch))
-  timed, _ = time_cross(s, cross, rounds)
+  runners = make(s, params, micro)
+  check_agreement(runners, large_batch_update(s, params, batch))
+  timed, reps = time_cross(s, runners, rounds)
   base = timed["hand loop"]
   return {
     "us": {n: t.median * 1e6 for n, t in timed.items()},
     "ratio": {n: H.paired_ratio(t, base) for n, t in timed.items()},
+    "windows_per_sample": reps,
   }
+
+
+def cross_in_this_process(name: str, rounds: int) -> dict:
+  """`name`'s cross-step contenders alone in this process (`checked_and_timed`)."""
+  return checked_and_timed(models()[name], cross_runners, rounds)
 
 
 def cross_over_processes(name: str, rounds: int, processes: int, log: Callable) -> dict:

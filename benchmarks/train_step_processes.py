@@ -38,7 +38,6 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import _harness as H  # noqa: E402
 from benchmarks import small_models as sm  # noqa: E402
 
 NAMES = ("TrainStep", "hand loop", "hand loop, NaN-safe", "TrainStep, skip_nonfinite=False")
@@ -62,18 +61,7 @@ def one_process(rounds: int) -> dict:
   """This process's medians (µs per micro-step) and per-round paired ratios to the hand loop,
   after checking that every contender lands on the large batch's parameters."""
   s = sm.models()["notebook_mlp"]
-  params, batch, micro = sm.inputs(s)
-  runners = contenders(s, params, micro)
-  sm.check_agreement(runners, sm.large_batch_update(s, params, batch))
-  reps = sm._repeats(runners[BASE].window)
-  windows = {n: sm._repeated(r.window, reps) for n, r in runners.items()}
-  timed = H.run_side_by_side(windows, rounds=rounds, units=s.k * reps)
-  return {
-    "us": {n: t.median * 1e6 for n, t in timed.items()},
-    "ratio": {n: H.paired_ratio(t, timed[BASE]) for n, t in timed.items()},
-    "windows_per_sample": reps,
-    "what": s.what,
-  }
+  return {**sm.checked_and_timed(s, contenders, rounds), "what": s.what}
 
 
 def report(runs: list[dict], args, when: str, load: tuple[float, float]) -> str:
